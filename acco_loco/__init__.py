@@ -1,0 +1,1 @@
+"""The algorithms as pure tensor math: round schedules, shard optimizers, codecs, error feedback."""

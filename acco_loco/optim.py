@@ -1,0 +1,134 @@
+"""Functional optimizer steps on one flat fp32 shard.
+
+Every function here is pure tensor math: no process groups, no threads. The engine calls them on
+the shard a worker owns. ``commit=False`` computes the parameters an update *would* give without
+touching the optimizer state; that is ACCO's estimate step, which needs no snapshot/restore copy.
+
+The AdamW and SGD rules follow torch.optim.AdamW / torch.optim.SGD exactly (same bias
+correction, same decoupled weight decay), so a single worker matches them bit for bit up to
+float rounding order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Hyper-parameters of the shard optimizer (the learning rate comes per step)."""
+
+    name: str = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    nesterov: bool = False  # sgd only
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}: choose one of {OPTIMIZERS}")
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be positive, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+
+
+@dataclass
+class ShardState:
+    """Optimizer state of one shard: the fp32 master and the moments.
+
+    ``step`` counts applied updates (skipped non-finite steps do not count), which is what
+    Adam's bias correction needs.
+    """
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor | None = None
+    step: int = 0
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, master: torch.Tensor, spec: OptimizerSpec) -> "ShardState":
+        master = master.detach().to(torch.float32).clone()
+        exp_avg = torch.zeros_like(master)
+        exp_avg_sq = torch.zeros_like(master) if spec.name == "adamw" else None
+        return cls(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"master": self.master, "exp_avg": self.exp_avg}
+        if self.exp_avg_sq is not None:
+            out["exp_avg_sq"] = self.exp_avg_sq
+        out.update({f"extra.{k}": v for k, v in self.extra.items()})
+        return out
+
+
+def optimizer_step(
+    state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool
+) -> torch.Tensor:
+    """One optimizer step on a shard; returns the new fp32 parameters.
+
+    commit=True updates ``state`` in place (master, moments, step) and returns ``state.master``.
+    commit=False leaves ``state`` untouched and returns a new tensor.
+    """
+    if grad.shape != state.master.shape:
+        raise ValueError(f"gradient shard has shape {tuple(grad.shape)}, master has {tuple(state.master.shape)}")
+    grad = grad.to(torch.float32)
+    if spec.name == "adamw":
+        return _adamw(state, grad, lr, spec, commit)
+    return _sgd(state, grad, lr, spec, commit)
+
+
+def _adamw(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool) -> torch.Tensor:
+    beta1, beta2 = spec.betas
+    step = state.step + 1
+    if commit:
+        exp_avg = state.exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq = state.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        params = state.master
+        state.step = step
+    else:
+        exp_avg = state.exp_avg.lerp(grad, 1 - beta1)
+        exp_avg_sq = state.exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+        params = state.master.clone()
+    params.mul_(1 - lr * spec.weight_decay)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(spec.eps)
+    params.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    return params
+
+
+def _sgd(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool) -> torch.Tensor:
+    d_p = grad.add(state.master, alpha=spec.weight_decay) if spec.weight_decay else grad
+    if spec.momentum:
+        # torch.optim.SGD seeds the buffer with the first gradient (no dampening here)
+        if state.step == 0:
+            buf = d_p.clone()
+        else:
+            buf = state.exp_avg.mul(spec.momentum).add_(d_p)
+        d_p = d_p.add(buf, alpha=spec.momentum) if spec.nesterov else buf
+        if commit:
+            state.exp_avg.copy_(buf)
+    params = state.master if commit else state.master.clone()
+    params.add_(d_p, alpha=-lr)
+    if commit:
+        state.step += 1
+    return params
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """Factor that scales a gradient of norm ``total_norm`` down to ``max_norm`` (torch's rule)."""
+    if max_norm is None or max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,121 @@
+"""EngineConfig: every knob of the engine, typed, with its default in code."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from acco_loco.acco import PLANS
+from acco_loco.optim import OptimizerSpec
+from acco_loco.schedule import validate_schedule
+
+ACCUMULATION_MODES = ("adaptive", "fixed")
+NAN_POLICIES = ("skip", "stop")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+# Fields that decide the trajectory's structure: a checkpoint refuses to resume under others.
+STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align")
+
+
+@dataclass
+class EngineConfig:
+    # strategy and accumulation
+    strategy: str = "acco"  # zero1 | dpu | acco
+    micro_batches: int = 1  # per round ("fixed") or the minimum per round ("adaptive")
+    accumulation: str = "adaptive"  # adaptive | fixed
+    max_micro_batches: int | None = None  # adaptive: cap per round (keeps the batch small)
+    max_steps: int = 1000  # committed optimizer steps
+
+    # optimizer (one flat fp32 shard per worker)
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    max_grad_norm: float | None = None  # global-norm clipping; None = off
+    lr_schedule: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    # numerics and layout
+    compute_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
+    align: int = 128  # shards are multiples of this many values (codec group size)
+    nan_policy: str = "skip"  # skip the step, or stop with an error
+    seed: int = 0
+
+    # runtime
+    timeout_s: float = 300.0  # a peer silent this long is reported as lost
+    heartbeat_s: float = 1.0
+    comm_chunks: int = 1  # split each collective into this many async pieces (gloo speed)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # committed steps between checkpoints; 0 = never
+    progress: bool = False  # a progress bar on rank 0
+    record_timeline: bool = False  # per-round timestamps in engine.timeline
+    poison_freed_buffers: bool = False  # debug: NaN-fill gradient buffers once released
+
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.strategy not in PLANS:
+            raise ValueError(f"unknown strategy {self.strategy!r}: choose one of {sorted(PLANS)}")
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise ValueError(f"unknown accumulation {self.accumulation!r}: choose one of {ACCUMULATION_MODES}")
+        _positive_int("micro_batches", self.micro_batches)
+        _positive_int("max_steps", self.max_steps)
+        _positive_int("align", self.align)
+        _positive_int("comm_chunks", self.comm_chunks)
+        if self.max_micro_batches is not None:
+            _positive_int("max_micro_batches", self.max_micro_batches)
+            if self.max_micro_batches < self.micro_batches:
+                raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
+                                 f"({self.micro_batches}): raise it or lower micro_batches")
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"unknown nan_policy {self.nan_policy!r}: choose one of {NAN_POLICIES}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}: choose one of {COMPUTE_DTYPES}")
+        if not self.timeout_s > 0 or not self.heartbeat_s > 0:
+            raise ValueError("timeout_s and heartbeat_s must be positive")
+        if self.heartbeat_s * 3 > self.timeout_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most a third of timeout_s "
+                             f"({self.timeout_s}) so that a lost peer is detected in time")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every is set but checkpoint_dir is not: give a directory")
+        validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
+        self.optimizer_spec()  # validates the optimizer fields
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,
+                             weight_decay=self.weight_decay, momentum=self.momentum,
+                             nesterov=self.nesterov)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown EngineConfig fields {sorted(unknown)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

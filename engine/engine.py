@@ -1,0 +1,322 @@
+"""Engine: the compute side's loop. Accumulates micro-batches and hands rounds to the comm side.
+
+    engine = Engine(model, EngineConfig(strategy="acco", lr=3e-4, micro_batches=2))
+    history = engine.fit(batches)      # this worker's micro-batches
+    engine.save("ckpt")                # Engine.load("ckpt", model) resumes the same trajectory
+
+At a round boundary (after a micro-batch), the compute side waits for the round in flight (or,
+in adaptive mode, only swaps once it is done), installs the parameters it gathered, submits the
+gradients it just accumulated as the next round and goes on accumulating into the other buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+
+from acco_loco.acco import KeptHalf, RoundKind, plan_for
+from acco_loco.optim import ShardState
+
+from . import checkpoint as ckpt
+from .comm import Comm, default_store, init_process_group
+from .config import EngineConfig
+from .flat import FlatParams
+from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
+from .streams import CommWorker, RoundHandle
+from .watchdog import Watchdog, WorkerLostError
+
+log = logging.getLogger("acco_loco")
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+_END = object()
+
+
+def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """``model(**batch).loss`` for dict batches (Hugging Face causal LMs with labels)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batches of type {type(batch).__name__} need a loss_fn(model, batch) -> "
+                        "scalar loss; the default only handles dict batches as model(**batch).loss")
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None:
+        raise TypeError("model(**batch) returned no loss: put labels in the batch or pass loss_fn")
+    return loss
+
+
+def batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            if isinstance(item, torch.Tensor) and item.dim():
+                return item.shape[0]
+    return 1
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig | None = None,
+                 loss_fn: LossFn | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        cfg = cfg if cfg is not None else EngineConfig()
+        if not isinstance(cfg, EngineConfig):
+            raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
+        cfg.validate()
+        self.cfg = cfg
+        self.model = model
+        self.loss_fn = loss_fn or default_loss
+        self.plan = plan_for(cfg.strategy)
+        self.spec = cfg.optimizer_spec()
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (every requires_grad is False): "
+                             "unfreeze at least one parameter")
+        device = named[0][1].device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        rank, world = init_process_group(device, cfg.timeout_s)
+        self.comm = Comm(rank, world, cfg.comm_chunks)
+        self.device = device
+
+        # fp32 values of rank 0 define every replica's start and every master shard
+        flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+        dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
+        if not dtype.is_floating_point:
+            raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+        if cfg.compute_dtype != "auto":
+            model.to(dtype)
+        self.flat = FlatParams([p for _, p in named], [n for n, _ in named], world, cfg.align, dtype)
+        padded32 = torch.zeros(self.flat.padded, dtype=torch.float32, device=device)
+        padded32[:flat32.numel()] = flat32
+        self.comm.broadcast_(padded32, src=0)
+        self.flat.data.copy_(padded32)
+        self.shard_state = ShardState.create(self.flat.shard(padded32, rank), self.spec)
+        self.gather_buf = self.flat.data.clone()  # what every replica holds after the last round
+        del padded32, flat32
+
+        self.worker = CommWorker(device)
+        self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
+        torch.manual_seed(cfg.seed)
+
+        # engine state (all of it is saved by save())
+        self.step = 0  # committed optimizer steps
+        self.round_index = 0  # rounds submitted
+        self.consumed = 0  # micro-batches this worker has taken from its data
+        self._count = 0  # micro-batches in the accumulator that is not yet submitted
+        self._samples = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self._kept: KeptHalf | None = None  # comm side: reduced estimate half (acco)
+        self._inflight: RoundHandle | None = None
+        self._submitted_at = 0.0
+        self._step_rounds = 0
+        self._step_local = 0
+        self._step_bytes = 0
+        self._clock = time.perf_counter()
+        self.history: list[dict] = []
+        self.timeline: list[tuple] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def fit(self, batches: Iterable[Any]) -> list[dict]:
+        """Train until ``cfg.max_steps`` committed steps or until some worker's data runs out.
+
+        ``batches`` are this worker's micro-batches. After a resume, pass the stream from index
+        ``engine.consumed`` on. Returns one dict per committed step of this call.
+        """
+        if self._closed:
+            raise RuntimeError("this engine was closed: build a new one")
+        first = len(self.history)
+        it = iter(batches)
+        self._clock = time.perf_counter()
+        bar = self._progress_bar()
+        try:
+            while self.step < self.cfg.max_steps:
+                exhausted = self._accumulate(it)
+                if self._boundary(exhausted):
+                    break
+                if bar is not None:
+                    bar.update(self.step - bar.n)
+                    if self.history:
+                        h = self.history[-1]
+                        bar.set_postfix(loss=f"{h['loss']:.4f}", samples_s=f"{h['samples'] / max(h['time_s'], 1e-9):.1f}")
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history[first:]
+
+    def save(self, directory: str) -> str:
+        """Write a checkpoint (all ranks call this); returns the directory."""
+        self._require_quiescent("save")
+        return ckpt.save(self, directory)
+
+    @classmethod
+    def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
+             loss_fn: LossFn | None = None) -> "Engine":
+        """Build an engine from a checkpoint written by ``save`` (same world size)."""
+        return ckpt.load(cls, directory, model, cfg, loss_fn)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight is not None:
+            self._finish(self._inflight)
+            self._inflight = None
+        self.watchdog.close()
+        self.worker.close()
+
+    # ------------------------------------------------------------------ compute side
+    def _accumulate(self, it) -> bool:
+        """Run micro-batches until this round may end; True if the data ran out."""
+        cfg = self.cfg
+        fixed = cfg.accumulation == "fixed"
+        while True:
+            if self._count >= cfg.micro_batches:
+                if fixed or self._inflight is None:
+                    return False
+                if cfg.max_micro_batches is not None and self._count >= cfg.max_micro_batches:
+                    return False
+                if self._inflight.done():
+                    return False
+                if time.perf_counter() - self._submitted_at > cfg.timeout_s:
+                    return False  # _finish will name the peer that holds the round up
+            batch = next(it, _END)
+            if batch is _END:
+                return True
+            self._micro_batch(batch)
+
+    def _micro_batch(self, batch: Any) -> None:
+        t0 = time.perf_counter()
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        if not loss.requires_grad:
+            raise RuntimeError("the loss does not require grad: is the model in torch.no_grad(), "
+                               "or are the trainable parameters not used by the loss?")
+        loss.backward()
+        self._count += 1
+        self._samples += batch_size(batch)
+        self._loss_sum += loss.detach().float()
+        self.consumed += 1
+        if self.cfg.record_timeline:
+            self.timeline.append(("compute", self.rank, t0, time.perf_counter(), self.round_index))
+
+    def _boundary(self, exhausted: bool) -> bool:
+        """Finish the round in flight, submit the next; True when training must stop."""
+        if self._inflight is not None:
+            handle, self._inflight = self._inflight, None
+            if self._finish(handle):
+                return True
+        if exhausted and self._count == 0 and self.world_size == 1:
+            self._warn_stopped_early([0])
+            return True
+        self.flat.check_grads_attached()
+        handle = self._submit(exhausted)
+        if not self.plan.overlap or exhausted:
+            return self._finish(handle)
+        self._inflight = handle
+        return False
+
+    def _submit(self, exhausted: bool) -> RoundHandle:
+        req = RoundRequest(
+            index=self.round_index, kind=self.plan.kind(self.round_index), step_index=self.step,
+            grad_index=self.flat.active, count=self._count, samples=self._samples,
+            loss_sum=self._loss_sum.clone(), exhausted=exhausted)
+        handle = self.worker.submit(req.index, partial(run_round, self, req))
+        self._submitted_at = time.perf_counter()
+        self.round_index += 1
+        self.watchdog.round = req.index
+        # the compute side moves to the other buffer; the round owns this one until it is done
+        nxt = 1 - self.flat.active
+        self.flat.point_grads(nxt)
+        self.flat.grads[nxt].zero_()
+        self._count, self._samples = 0, 0
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        return handle
+
+    def _finish(self, handle: RoundHandle) -> bool:
+        """Wait for a round, install its parameters, record a committed step; True to stop."""
+        try:
+            result: RoundResult = handle.wait(self.cfg.timeout_s)
+        except NonFiniteGradientError:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise self.watchdog.diagnose(f"round {handle.index} on rank {self.rank}") from exc
+        with torch.no_grad():
+            self.flat.data.copy_(self.gather_buf)
+        self._step_rounds += 1
+        self._step_local += result.local_count
+        self._step_bytes += result.bytes_sent
+        if self.cfg.record_timeline:
+            for phase, (a, b) in result.phases.items():
+                self.timeline.append((phase, self.rank, a, b, result.index))
+        if result.kind is RoundKind.COMMIT and not result.empty:
+            self._record_step(result)
+        if result.exhausted_ranks:
+            self._warn_stopped_early(result.exhausted_ranks)
+            return True
+        return self.step >= self.cfg.max_steps
+
+    def _record_step(self, result: RoundResult) -> None:
+        self.step += 1
+        now = time.perf_counter()
+        entry = {
+            "step": self.step, "loss": result.loss, "lr": result.lr, "samples": result.samples,
+            "micro_batches": self._step_local, "global_micro_batches": result.count,
+            "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
+            "skipped": result.skipped, "rounds": self._step_rounds,
+        }
+        if result.skipped:
+            log.warning("step %d skipped: non-finite gradient from rank(s) %s", self.step, result.bad_ranks)
+        self.history.append(entry)
+        self._clock = now
+        self._step_rounds = self._step_local = self._step_bytes = 0
+        cfg = self.cfg
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            ckpt.save_periodic(self, cfg.checkpoint_dir)
+
+    # ------------------------------------------------------------------ helpers
+    def _warn_stopped_early(self, ranks: list[int]) -> None:
+        log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
+                    "accumulated on this rank stay pending and are used if fit() continues",
+                    self.step, ranks, self._count)
+
+    def _require_quiescent(self, what: str) -> None:
+        if self._inflight is not None:
+            raise RuntimeError(f"cannot {what} while a round is in flight")
+
+    def _abort(self) -> None:
+        """After an error: stop heartbeats so peers see this rank as gone, never hang here."""
+        self._inflight = None
+        self.watchdog.close()
+
+    def _progress_bar(self):
+        if not self.cfg.progress or self.rank != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.strategy}", unit="step")

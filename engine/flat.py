@@ -1,0 +1,70 @@
+"""Flat buffers: all trainable params and grads in one contiguous padded buffer.
+
+Model ``.data`` and ``.grad`` tensors are views into these buffers, so a round hands the whole
+gradient to the communication side as one tensor and installs new parameters with one copy.
+Padding makes the length a multiple of world_size * align so every shard has the same size and
+is a whole number of codec groups. Frozen params stay out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlatParams:
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
+                 align: int, dtype: torch.dtype, grad_buffers: int = 2):
+        if not params:
+            raise ValueError("the model has no trainable parameters (every requires_grad is False): "
+                             "unfreeze at least one parameter")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"trainable parameters live on several devices {sorted(map(str, devices))}: "
+                             "move the model to one device before building the engine")
+        self.device = params[0].device
+        self.dtype = dtype
+        self.params = params
+        self.names = names
+        self.world_size = world_size
+        self.numel = sum(p.numel() for p in params)
+        unit = world_size * align
+        self.padded = -(-self.numel // unit) * unit
+        self.shard_size = self.padded // world_size
+        self.offsets: list[tuple[int, int]] = []
+        offset = 0
+        for p in params:
+            self.offsets.append((offset, offset + p.numel()))
+            offset += p.numel()
+
+        self.data = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            for p, (a, b) in zip(params, self.offsets):
+                self.data[a:b].copy_(p.detach().reshape(-1))
+                p.data = self.data[a:b].view(p.shape)
+        self.grads = [torch.zeros(self.padded, dtype=dtype, device=self.device) for _ in range(grad_buffers)]
+        self.active = 0
+        self.point_grads(0)
+
+    def point_grads(self, index: int) -> None:
+        """Make every param's .grad a view of gradient buffer ``index``."""
+        self.active = index
+        buf = self.grads[index]
+        for p, (a, b) in zip(self.params, self.offsets):
+            p.grad = buf[a:b].view(p.shape)
+
+    def check_grads_attached(self) -> None:
+        """Raise if something replaced a .grad (e.g. zero_grad(set_to_none=True))."""
+        buf = self.grads[self.active]
+        for p, name, (a, b) in zip(self.params, self.names, self.offsets):
+            g = p.grad
+            if g is None or g.data_ptr() != buf[a:b].data_ptr():
+                raise RuntimeError(
+                    f"the .grad of {name!r} was replaced or set to None outside the engine "
+                    "(optimizer.zero_grad or model.zero_grad with set_to_none?): the engine owns "
+                    "gradients; do not zero or replace them yourself")
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
+
+    def named_views(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: tensor[a:b].view(p.shape) for n, p, (a, b) in zip(self.names, self.params, self.offsets)}

@@ -1,0 +1,92 @@
+"""The communication side: one background thread that runs rounds in submission order.
+
+CPU (gloo): the thread runs the round's collectives and optimizer step while the caller keeps
+computing. CUDA (NCCL): the thread enqueues the round on a dedicated comm stream; the caller
+records an event on its compute stream at submission that the comm stream waits on, and the
+comm stream records a ``done`` event that the compute stream waits on at install. The CPU never
+synchronises with the GPU after a micro-batch; ``done()`` only queries the event.
+
+One thread for every collective means ranks can never disagree on the order of collectives.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class RoundHandle:
+    def __init__(self, index: int):
+        self.index = index
+        self._finished = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done_event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        """True once the round finished (or failed); never blocks."""
+        if not self._finished.is_set():
+            return False
+        if self.error is None and self.done_event is not None:
+            return self.done_event.query()
+        return True
+
+    def wait(self, timeout_s: float | None) -> Any:
+        """Block until the round's CPU work ended; order the compute stream after its GPU work."""
+        if not self._finished.wait(timeout_s):
+            raise TimeoutError(f"round {self.index} did not finish within {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        if self.done_event is not None:
+            torch.cuda.current_stream().wait_event(self.done_event)
+        return self.result
+
+
+class CommWorker:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="acco-loco-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, fn: Callable[[], Any]) -> RoundHandle:
+        handle = RoundHandle(index)
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self._queue.put((fn, ready, handle))
+        return handle
+
+    def _loop(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, ready, handle = item
+            try:
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        handle.result = fn()
+                        done = torch.cuda.Event()
+                        done.record(self.stream)
+                        handle.done_event = done
+                else:
+                    handle.result = fn()
+            except BaseException as exc:  # handed to the caller, raised there
+                handle.error = exc
+            finally:
+                handle._finished.set()
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the thread; returns False if it is stuck in a collective (it is a daemon)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

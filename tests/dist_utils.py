@@ -1,0 +1,63 @@
+"""Spawn real gloo process groups for tests: one process per rank, results back by queue."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, queue, args, env):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        out = fn(rank, world, *args)
+        # pickled by value: torch's shared-memory tensor passing dies with this process
+        queue.put((rank, "ok", pickle.dumps(out)))
+    except BaseException as exc:  # report, then exit non-zero
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout: float = 180, env: dict | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return results by rank.
+
+    Raises AssertionError with every failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env or {}))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    try:
+        for _ in range(world):
+            rank, status, out = queue.get(timeout=timeout)
+            results[rank] = (status, out)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: out for r, (status, out) in results.items() if status != "ok"}
+    assert not errors, "worker failures:\n" + "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+    return [pickle.loads(results[r][1]) for r in range(world)]

@@ -1,0 +1,125 @@
+"""A tiny model, data streams and a float64 sequential reference of every strategy."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+IN, HIDDEN, OUT = 6, 16, 3
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    return model.to(dtype)
+
+
+def mse_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def worker_stream(rank: int, n: int, batch: int = 4, seed: int = 0, dtype=torch.float32):
+    """Worker ``rank``'s micro-batches: a pure function of (seed, rank, index)."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    w = torch.Generator().manual_seed(seed)
+    target = torch.randn(IN, OUT, generator=w)
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, IN, generator=g)
+        y = torch.tanh(x @ target) + 0.1 * torch.randn(batch, OUT, generator=g)
+        out.append((x.to(dtype), y.to(dtype)))
+    return out
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector([p for p in model.parameters() if p.requires_grad]).detach().clone()
+
+
+class Reference:
+    """Float64, no threads, no process group: each strategy's equations written out.
+
+    ``streams[w]`` is worker w's micro-batch list; round r of worker w uses its micro-batches
+    [r*k, (r+1)*k). The optimizer is torch.optim.AdamW/SGD on one float64 flat vector; ACCO's
+    estimate step runs on a deep copy of the optimizer, which is thrown away.
+    """
+
+    def __init__(self, model, streams, k: int, opt: str = "adamw", lr: float = 1e-2, **opt_kwargs):
+        self.model = copy.deepcopy(model).to(torch.float64)
+        self.streams = [[(x.double(), y.double()) for x, y in s] for s in streams]
+        self.k = k
+        self.theta = flat_params(self.model).double().requires_grad_(True)
+        cls = torch.optim.AdamW if opt == "adamw" else torch.optim.SGD
+        self.opt = cls([self.theta], lr=lr, **opt_kwargs)
+        self.round = 0
+
+    def grads(self, theta: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Sum over workers and this round's micro-batches of the gradient at ``theta``."""
+        total = torch.zeros_like(self.theta)
+        count = 0
+        params = [p for p in self.model.parameters()]
+        torch.nn.utils.vector_to_parameters(theta.detach(), params)
+        for stream in self.streams:
+            for x, y in stream[self.round * self.k:(self.round + 1) * self.k]:
+                self.model.zero_grad()
+                mse_loss(self.model, (x, y)).backward()
+                total += torch.nn.utils.parameters_to_vector([p.grad for p in params])
+                count += 1
+        self.round += 1
+        return total, count
+
+    def _step(self, opt, theta_grad: torch.Tensor) -> None:
+        self.theta.grad = theta_grad
+        opt.step()
+
+    def apply(self, grad: torch.Tensor, count: int) -> None:
+        with torch.no_grad():
+            self._step(self.opt, grad / count)
+
+    def estimate(self, grad: torch.Tensor, count: int) -> torch.Tensor:
+        saved = self.theta.detach().clone()
+        state = copy.deepcopy(self.opt.state_dict())
+        with torch.no_grad():
+            self._step(self.opt, grad / count)
+            out = self.theta.detach().clone()
+            self.theta.copy_(saved)
+        self.opt.load_state_dict(state)
+        return out
+
+    def run(self, strategy: str, steps: int) -> list[torch.Tensor]:
+        """Committed parameters after each step."""
+        out = []
+        if strategy == "zero1":
+            for _ in range(steps):
+                g, c = self.grads(self.theta)
+                self.apply(g, c)
+                out.append(self.theta.detach().clone())
+        elif strategy == "dpu":
+            compute_on = self.theta.detach().clone()
+            g, c = self.grads(compute_on)
+            for _ in range(steps):
+                theta_next_in = self.theta.detach().clone()
+                # the compute side runs the next round on the params it holds, before install
+                g_next, c_next = self.grads(compute_on)
+                self.apply(g, c)
+                compute_on = self.theta.detach().clone()
+                g, c = g_next, c_next
+                del theta_next_in
+                out.append(self.theta.detach().clone())
+        elif strategy == "acco":
+            gt, ct = self.grads(self.theta)  # gtilde_0 on theta_0
+            for _ in range(steps):
+                theta_tilde = self.estimate(gt, ct)
+                g, c = self.grads(self.theta)  # g_t on theta_t, beside the estimate round
+                gt_next, ct_next = self.grads(theta_tilde)  # gtilde_{t+1}, beside the commit round
+                self.apply(gt + g, ct + c)
+                gt, ct = gt_next, ct_next
+                out.append(self.theta.detach().clone())
+        else:
+            raise ValueError(strategy)
+        return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
