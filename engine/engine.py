@@ -123,6 +123,7 @@ class Engine:
         self._step_bytes = 0
         self._clock = time.perf_counter()
         self.history: list[dict] = []
+        self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
         self.timeline: list[tuple] = []
         self._closed = False
 
@@ -247,6 +248,7 @@ class Engine:
         handle = self.worker.submit(req.index, partial(run_round, self, req))
         self._submitted_at = time.perf_counter()
         self.round_index += 1
+        self.round_counts.append(req.count)
         self.watchdog.round = req.index
         # the compute side moves to the other buffer; the round owns this one until it is done
         nxt = 1 - self.flat.active
