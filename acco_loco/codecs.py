@@ -1,0 +1,403 @@
+"""Group-wise low-bit quantizers for communication (pure tensor math).
+
+A codec turns a flat 1-D fp32 tensor ``x`` whose length is a multiple of ``group_size`` into
+
+* ``payload``: a 1-D ``uint8`` tensor of ``numel * bits / 8`` bytes (the packed codes), and
+* ``scales``: a 1-D tensor of ``numel / group_size`` per-group scales (fp32 or bf16),
+
+and back.  Groups are contiguous blocks of ``group_size`` values of the flat buffer.
+
+Symmetric integer codecs (``int8``, ``int4``, ``int2``; B bits), per group::
+
+    qmax  = 2**(B-1) - 1
+    scale = absmax(group) / qmax                  (0 for an all-zero group)
+    q     = clamp(round(h / scale), -qmax-1, qmax)  (round half to even; or stochastic)
+    deQ   = q * scale                               (exactly zero where scale == 0)
+
+so ``|h - deQ(Q(h))| <= scale / 2`` per element with deterministic rounding and
+``< scale`` with stochastic rounding, for the scale that is actually sent.  With bf16 scales
+the fp32 scale is rounded *up* to the next bf16 value before quantizing, so the bound holds
+for the bf16 scale on the wire and ``|h / scale| <= qmax`` still (no clamping of the absmax
+element).
+
+1-bit codec (``sign1``), per group, as in 1-bit Adam (Tang et al., ICML 2021)::
+
+    scale = rms(group) = sqrt(mean(h**2))
+    deQ   = sign(h) * scale        with sign(0) = sign(-0.0) = +1
+
+Wire format (little-endian within a byte, element order preserved):
+
+* every value becomes an unsigned B-bit code ``u``: ``u = q + 2**(B-1)`` (offset binary) for
+  the integer codecs, ``u = 1 if h >= 0 else 0`` for ``sign1``;
+* ``8 // B`` consecutive codes share one byte, code ``k`` of the run in bits
+  ``[k*B, (k+1)*B)``.
+
+Because ``group_size`` is a multiple of 8, the element range ``[a, b)`` with ``a`` and ``b``
+multiples of ``group_size`` is exactly the payload byte range ``[a*B/8, b*B/8)`` and the
+scale range ``[a/group_size, b/group_size)``; the engine can split both into equal shard
+slices for an ``all_to_all`` and each receiver decodes its slices independently.
+
+Everything here is vectorized torch and runs on the device of its input (CPU or CUDA).
+``encode`` checks for NaN/Inf (one host synchronization on CUDA, on a tensor of
+``numel / group_size`` values); pass ``check_finite=False`` to skip the check when the caller
+has its own policy.  Nothing here calls ``torch.compile``; the kernels take their scales as
+tensors so that ``torch.compile(codec.encode)`` traces cleanly if the caller wants it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CODEC_BITS",
+    "Codec",
+    "make_codec",
+    "pack_bits",
+    "unpack_bits",
+    "pad_to_multiple",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - every torch target is little-endian
+    raise ImportError("acco_loco.codecs packs bits through integer views and needs a little-endian host")
+
+#: codec name -> bits per value
+CODEC_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "sign1": 1}
+
+_SCALE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+# Integer word that holds the 8 // bits codes packed into one byte, one code per byte.
+_WORD_DTYPE: dict[int, torch.dtype] = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+
+
+def _nonfinite_error(what: str) -> ValueError:
+    return ValueError(
+        f"{what} contains NaN/Inf values; refusing to encode them: "
+        "check for a diverged loss or use the engine's nan policy"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# bit packing
+# ----------------------------------------------------------------------------------------
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of 1, 2, 4, 8 (got {bits!r})")
+    return bits
+
+
+def _spread_masks(bits: int) -> list[int]:
+    """Masks for the in-register (SWAR) pack/unpack of ``8 // bits`` codes in one word.
+
+    ``masks[s]`` keeps, in every block of ``2**s`` bytes of the word, the low
+    ``bits * 2**s`` bits of the block.  ``masks[0]`` keeps the low ``bits`` bits of each byte
+    (one code per byte); unpacking runs the doubling steps of :func:`pack_bits` backwards and
+    applies ``masks[s]`` after step ``s``.
+    """
+    per = 8 // bits
+    masks = []
+    for s in range(int(math.log2(per))):
+        block = 1 << s  # bytes per block at this level
+        keep = (1 << (bits * block)) - 1
+        m = 0
+        for j in range(per // block):
+            m |= keep << (8 * block * j)
+        masks.append(m)
+    return masks
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack unsigned ``bits``-bit codes, one per ``uint8``, into ``8 // bits`` codes per byte.
+
+    ``codes`` is a 1-D ``uint8`` tensor whose length is a multiple of ``8 // bits``; only the
+    low ``bits`` bits of each byte are kept.  Code ``k`` of each run of ``8 // bits`` lands in
+    bits ``[k*bits, (k+1)*bits)`` of its byte, so element order is preserved.  ``bits == 8``
+    returns ``codes`` itself.
+    """
+    _check_bits(bits)
+    if codes.dtype != torch.uint8 or codes.dim() != 1:
+        raise ValueError(f"pack_bits expects a 1-D uint8 tensor (got {codes.dtype}, shape {tuple(codes.shape)})")
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    if codes.numel() % per:
+        raise ValueError(f"pack_bits({bits}): length {codes.numel()} is not a multiple of {per}")
+    if not codes.is_contiguous() or codes.storage_offset() % per:
+        codes = codes.clone()
+    # One word per output byte holding its `per` codes in consecutive bytes (little-endian).
+    # Doubling steps move the codes of byte k+2**s next to those of byte k:
+    # after step s every byte k holds 2**(s+1) codes in its low bits (no bit collides,
+    # all words stay non-negative, so the arithmetic shift is a logical one).
+    word = codes.view(_WORD_DTYPE[bits]) & _spread_masks(bits)[0]
+    shift = 8 - bits
+    for s in range(int(math.log2(per))):
+        word |= word >> (shift << s)
+    return word.to(torch.uint8)  # the low byte of each word; conversion truncates mod 256
+
+
+def unpack_bits(packed: Tensor, bits: int, numel: int | None = None) -> Tensor:
+    """Inverse of :func:`pack_bits`: one ``uint8`` code (in ``[0, 2**bits)``) per value.
+
+    ``numel`` (optional) keeps only the first ``numel`` codes; by default all
+    ``packed.numel() * 8 // bits`` codes are returned.
+    """
+    _check_bits(bits)
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(
+            f"unpack_bits expects a 1-D uint8 tensor (got {packed.dtype}, shape {tuple(packed.shape)})"
+        )
+    per = 8 // bits
+    total = packed.numel() * per
+    if numel is None:
+        numel = total
+    if not 0 <= numel <= total:
+        raise ValueError(f"unpack_bits({bits}): numel={numel} but the payload holds {total} codes")
+    if bits == 8:
+        return packed[:numel]
+    word = packed.to(_WORD_DTYPE[bits])
+    shift = 8 - bits
+    masks = _spread_masks(bits)
+    for s in reversed(range(len(masks))):
+        word = (word | (word << (shift << s))) & masks[s]
+    codes = word.view(torch.uint8)
+    return codes if numel == total else codes[:numel]
+
+
+def pad_to_multiple(x: Tensor, multiple: int, value: float = 0.0) -> Tensor:
+    """Return 1-D ``x`` padded at the end with ``value`` to a length that is a multiple of
+    ``multiple`` (``x`` itself when it already is).  Zero padding forms all-zero tails of
+    groups, which cost nothing in accuracy and decode to exact zeros."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1 (got {multiple})")
+    if x.dim() != 1:
+        raise ValueError(f"pad_to_multiple expects a 1-D tensor (got shape {tuple(x.shape)})")
+    rem = x.numel() % multiple
+    if rem == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, multiple - rem), value=value)
+
+
+# ----------------------------------------------------------------------------------------
+# scales
+# ----------------------------------------------------------------------------------------
+
+_BF16_MAX_BITS = 0x7F7F0000  # largest finite bf16, as fp32 bits
+
+
+def _ceil_to_bf16(s: Tensor) -> Tensor:
+    """Smallest bf16 >= s for finite s >= 0 (saturating at the largest finite bf16)."""
+    bits = s.contiguous().view(torch.int32)
+    bits = ((bits + 0xFFFF) & ~0xFFFF).clamp_max_(_BF16_MAX_BITS)
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
+
+
+def _group_rms(xg: Tensor) -> Tensor:
+    """sqrt(mean(x**2)) per row in fp32, safe against overflow/underflow of the squares."""
+    g = xg.shape[1]
+    rms = torch.linalg.vector_norm(xg, dim=1) * (1.0 / math.sqrt(g))
+    # Squares overflow above ~1.8e19 and lose precision below ~1e-19: redo those rows
+    # (rare: diverging values, exact-zero groups, denormal-scale values) scaled by absmax.
+    redo = ~(rms >= 1e-18) | ~(rms <= 1e18)  # also catches NaN
+    if bool(redo.any()):
+        idx = redo.nonzero().squeeze(1)
+        sub = xg.index_select(0, idx)
+        amax = sub.abs().amax(dim=1)
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        sub_rms = amax * torch.linalg.vector_norm(sub / safe[:, None], dim=1) * (1.0 / math.sqrt(g))
+        rms = rms.index_copy(0, idx, sub_rms)
+    return rms
+
+
+# ----------------------------------------------------------------------------------------
+# codec
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One quantizer configuration.  Build with :func:`make_codec`.
+
+    ``encode(x) -> (payload, scales)`` and ``decode(payload, scales) -> fp32``; see the module
+    docstring for the exact math and wire format.
+    """
+
+    name: str  # "int8" | "int4" | "int2" | "sign1"
+    bits: int
+    group_size: int = 128
+    scale_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_BITS:
+            raise ValueError(f"unknown codec {self.name!r}; valid codecs: {', '.join(CODEC_BITS)}")
+        if self.bits != CODEC_BITS[self.name]:
+            raise ValueError(f"codec {self.name!r} has {CODEC_BITS[self.name]} bits, not {self.bits}")
+        if not isinstance(self.group_size, int) or self.group_size < 8 or self.group_size % 8:
+            raise ValueError(f"group_size must be a positive multiple of 8 (got {self.group_size!r})")
+        if self.scale_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16 (got {self.scale_dtype})")
+
+    # -- sizes -----------------------------------------------------------------------------
+
+    @property
+    def qmax(self) -> int:
+        """Largest positive code value (``2**(bits-1) - 1``; 1 for sign1, unused)."""
+        return max(1, (1 << (self.bits - 1)) - 1)
+
+    def _groups(self, numel: int) -> int:
+        if numel < 0 or numel % self.group_size:
+            raise ValueError(
+                f"{self.name}: numel {numel} is not a multiple of group_size {self.group_size}; "
+                "pad the buffer (see pad_to_multiple)"
+            )
+        return numel // self.group_size
+
+    def payload_bytes(self, numel: int) -> int:
+        return self._groups(numel) * self.group_size * self.bits // 8
+
+    def scale_bytes(self, numel: int) -> int:
+        return self._groups(numel) * torch.empty((), dtype=self.scale_dtype).element_size()
+
+    def wire_bytes(self, numel: int) -> int:
+        """Payload plus scales for ``numel`` values."""
+        return self.payload_bytes(numel) + self.scale_bytes(numel)
+
+    # -- encode ----------------------------------------------------------------------------
+
+    def encode(
+        self, x: Tensor, generator: torch.Generator | None = None, *, check_finite: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Quantize 1-D ``x`` (numel a multiple of ``group_size``) to ``(payload, scales)``.
+
+        ``x`` is read as fp32 (other float dtypes are upcast).  Rounding is to nearest (half
+        to even) unless ``generator`` is given: then stochastic rounding
+        ``floor(h/scale + U[0,1))`` with uniforms drawn from ``generator`` (which must live on
+        ``x``'s device), unbiased for the integer codecs.  ``sign1`` ignores ``generator``.
+        Raises ``ValueError`` on NaN/Inf input unless ``check_finite=False``.
+        """
+        if x.dim() != 1:
+            raise ValueError(f"{self.name}.encode expects a flat 1-D tensor (got shape {tuple(x.shape)})")
+        if not x.is_floating_point():
+            raise ValueError(f"{self.name}.encode expects a floating tensor (got {x.dtype})")
+        groups = self._groups(x.numel())
+        if generator is not None and generator.device.type != x.device.type:
+            raise ValueError(f"generator is on {generator.device} but the tensor is on {x.device}")
+        xg = x.to(torch.float32).view(groups, self.group_size)
+        if self.bits == 1:
+            return self._encode_sign(xg, check_finite)
+        return self._encode_int(xg, generator, check_finite)
+
+    def _encode_int(self, xg: Tensor, generator: torch.Generator | None, check_finite: bool) -> tuple[Tensor, Tensor]:
+        qmax = self.qmax
+        amax = torch.maximum(xg.amax(dim=1), xg.amin(dim=1).neg())  # NaN propagates
+        if check_finite and xg.numel() and not bool(torch.isfinite(amax).all()):
+            raise _nonfinite_error(f"{self.name}.encode input")
+        scale = amax / qmax
+        if self.scale_dtype == torch.bfloat16:
+            scales = _ceil_to_bf16(scale)
+            scale = scales.to(torch.float32)
+        else:
+            scales = scale
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero groups: h == 0
+        y = xg / safe[:, None]
+        if generator is None:
+            y.round_()
+        else:
+            noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+            y.add_(noise).floor_()
+        y.clamp_(-qmax - 1, qmax)
+        # q as int8 (two's complement); flipping bit B-1 of the B-bit field gives the
+        # offset-binary code q + 2**(B-1) (cheaper on bytes than an fp32 add).
+        codes = y.view(-1).to(torch.int8).view(torch.uint8)
+        codes ^= 1 << (self.bits - 1)
+        return pack_bits(codes, self.bits), scales
+
+    def _encode_sign(self, xg: Tensor, check_finite: bool) -> tuple[Tensor, Tensor]:
+        rms = _group_rms(xg)
+        if check_finite and xg.numel() and not bool(torch.isfinite(rms).all()):
+            raise _nonfinite_error(f"{self.name}.encode input")
+        codes = torch.ge(xg, 0).view(-1).view(torch.uint8)  # sign(0) = sign(-0.0) = +1
+        return pack_bits(codes, 1), rms.to(self.scale_dtype)
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode(
+        self,
+        payload: Tensor,
+        scales: Tensor,
+        out: Tensor | None = None,
+        accumulate: bool = False,
+    ) -> Tensor:
+        """Dequantize ``(payload, scales)`` to fp32, ``numel = scales.numel() * group_size``.
+
+        Works on any group-aligned slice of an encoded buffer.  With ``out`` the result is
+        written there (1-D fp32, ``numel`` values, same device) and returned; with
+        ``accumulate=True`` it is added into ``out`` instead (``out += q * scale``), which is
+        how a shard owner sums the N slices it receives.  The accumulate path uses
+        ``addcmul_``, which backends may compute with a fused multiply-add: the result can
+        differ from ``out + decode(...)`` in the last bit (it is the more accurate of the
+        two), but it is deterministic for a given device type.
+        """
+        groups = scales.numel()
+        numel = groups * self.group_size
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"{self.name}.decode: payload must be 1-D uint8 (got {payload.dtype}, {tuple(payload.shape)})")
+        if scales.dim() != 1:
+            raise ValueError(f"{self.name}.decode: scales must be 1-D (got shape {tuple(scales.shape)})")
+        if payload.numel() != numel * self.bits // 8:
+            raise ValueError(
+                f"{self.name}.decode: {groups} scales need {numel * self.bits // 8} payload bytes, "
+                f"got {payload.numel()}"
+            )
+        if out is not None:
+            if out.dtype != torch.float32 or out.shape != (numel,) or out.device != payload.device:
+                raise ValueError(
+                    f"{self.name}.decode: out must be a 1-D float32 tensor of {numel} values on "
+                    f"{payload.device} (got {out.dtype}, {tuple(out.shape)}, {out.device})"
+                )
+        elif accumulate:
+            raise ValueError(f"{self.name}.decode: accumulate=True needs an out tensor")
+
+        s = scales.to(torch.float32)[:, None]
+        codes = unpack_bits(payload, self.bits)
+        # Exact small integers q as int8, then one type-promoting multiply: q * scale in fp32.
+        if self.bits == 1:
+            q = codes.view(torch.int8) * 2 - 1  # {0, 1} -> {-1, +1}
+        elif self.bits == 8:
+            q = (codes ^ 0x80).view(torch.int8)  # offset binary -> two's complement
+        else:
+            q = codes.view(torch.int8) - (1 << (self.bits - 1))
+        q = q.view(groups, self.group_size)
+        if out is None:
+            return torch.mul(q, s).view(numel)
+        og = out.view(groups, self.group_size)
+        if accumulate:
+            og.addcmul_(q, s)  # one pass, no temporary; fused multiply-add where available
+        else:
+            torch.mul(q, s, out=og)
+        return out
+
+
+def make_codec(name: str, group_size: int = 128, scale_dtype: torch.dtype | str = torch.float32) -> Codec:
+    """Build a :class:`Codec` by name (``int8``, ``int4``, ``int2``, ``sign1``).
+
+    ``scale_dtype`` is ``torch.float32``/``torch.bfloat16`` or one of the strings
+    ``"fp32"``, ``"float32"``, ``"bf16"``, ``"bfloat16"``.
+    """
+    if name not in CODEC_BITS:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_BITS)}")
+    if isinstance(scale_dtype, str):
+        if scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid: {', '.join(_SCALE_DTYPES)}")
+        scale_dtype = _SCALE_DTYPES[scale_dtype]
+    return Codec(name=name, bits=CODEC_BITS[name], group_size=group_size, scale_dtype=scale_dtype)
