@@ -45,7 +45,8 @@ class Reference:
     estimate step runs on a deep copy of the optimizer, which is thrown away.
     """
 
-    def __init__(self, model, streams, k: int, opt: str = "adamw", lr: float = 1e-2, **opt_kwargs):
+    def __init__(self, model, streams, k: int, opt: str = "adamw", lr: float = 1e-2,
+                 round_counts: list[list[int]] | None = None, **opt_kwargs):
         self.model = copy.deepcopy(model).to(torch.float64)
         self.streams = [[(x.double(), y.double()) for x, y in s] for s in streams]
         self.k = k
@@ -53,6 +54,9 @@ class Reference:
         cls = torch.optim.AdamW if opt == "adamw" else torch.optim.SGD
         self.opt = cls([self.theta], lr=lr, **opt_kwargs)
         self.round = 0
+        # adaptive runs: round_counts[w][r] micro-batches of worker w in round r
+        self.round_counts = round_counts
+        self.cursor = [0] * len(streams)
 
     def grads(self, theta: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Sum over workers and this round's micro-batches of the gradient at ``theta``."""
@@ -60,8 +64,13 @@ class Reference:
         count = 0
         params = [p for p in self.model.parameters()]
         torch.nn.utils.vector_to_parameters(theta.detach(), params)
-        for stream in self.streams:
-            for x, y in stream[self.round * self.k:(self.round + 1) * self.k]:
+        for w, stream in enumerate(self.streams):
+            if self.round_counts is None:
+                n = self.k
+            else:  # a round the engine accumulated but never submitted contributes nothing
+                n = self.round_counts[w][self.round] if self.round < len(self.round_counts[w]) else 0
+            start, self.cursor[w] = self.cursor[w], self.cursor[w] + n
+            for x, y in stream[start:start + n]:
                 self.model.zero_grad()
                 mse_loss(self.model, (x, y)).backward()
                 total += torch.nn.utils.parameters_to_vector([p.grad for p in params])
@@ -99,13 +108,11 @@ class Reference:
             compute_on = self.theta.detach().clone()
             g, c = self.grads(compute_on)
             for _ in range(steps):
-                theta_next_in = self.theta.detach().clone()
                 # the compute side runs the next round on the params it holds, before install
                 g_next, c_next = self.grads(compute_on)
                 self.apply(g, c)
                 compute_on = self.theta.detach().clone()
                 g, c = g_next, c_next
-                del theta_next_in
                 out.append(self.theta.detach().clone())
         elif strategy == "acco":
             gt, ct = self.grads(self.theta)  # gtilde_0 on theta_0
