@@ -1,0 +1,282 @@
+"""Error compensation on what a worker sends (pure tensor math).
+
+Per worker and per communicated buffer, before quantization (LoCo: Xie et al., "LoCo:
+Low-Bit Communication Adaptor for Large-scale Model Training", arXiv 2407.04480)::
+
+    h = x + e                                   # x: what this round sends, e: error state
+    q = Q(h)                                    # the wire codec
+    e = beta * e + (1 - beta) * (h - deQ(q))    # moving average of the compression error
+    every reset_period committed optimizer steps: e = 0
+
+Kinds:
+
+* ``"none"``: no compensation, ``e`` stays 0 (no state is allocated);
+* ``"ef"``: classic error feedback, ``beta = 0``, so ``e = h - deQ(q)`` and what was not
+  sent is re-sent next time (the sum of what was sent trails the sum of what was meant by
+  exactly the current ``e``);
+* ``"loco"``: the moving average above, ``beta = 0.8`` by default.
+
+The error is stored in int8 with its own group-wise fp32 scales by default, as LoCo does
+(``storage="int8"``: 1 byte per value plus 4 bytes per group), or in fp32
+(``storage="fp32"``, exact, for tests and debugging).  With int8 storage the new error is
+re-quantized with round-to-nearest after each update, so the stored error is within half an
+int8 step (``absmax(e_group) / 127 / 2``) of the formula applied to the previous stored error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .codecs import Codec, make_codec
+
+__all__ = ["FEEDBACK_KINDS", "ERROR_STORAGES", "ErrorFeedback", "compress"]
+
+FEEDBACK_KINDS: tuple[str, ...] = ("none", "ef", "loco")
+ERROR_STORAGES: tuple[str, ...] = ("int8", "fp32")
+_DEFAULT_BETA = {"none": 0.0, "ef": 0.0, "loco": 0.8}
+_STATE_FORMAT = 1  # bump when the state_dict layout changes
+
+
+class ErrorFeedback:
+    """Error state ``e`` for one flat buffer of ``numel`` values.
+
+    Typical use per communication round::
+
+        h = fb.compensate(x)                 # x + e (fp32)
+        payload, scales = codec.encode(h)
+        fb.update(h, codec.decode(payload, scales))
+        ...
+        fb.on_committed_step(step)           # after optimizer step `step` (1, 2, ...) commits
+
+    or :func:`compress`, which does the three lines above.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        numel: int,
+        *,
+        beta: float | None = None,
+        reset_period: int = 1024,
+        storage: str = "int8",
+        group_size: int = 128,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if kind not in FEEDBACK_KINDS:
+            raise ValueError(f"unknown error-feedback kind {kind!r}; valid kinds: {', '.join(FEEDBACK_KINDS)}")
+        if storage not in ERROR_STORAGES:
+            raise ValueError(f"unknown error storage {storage!r}; valid storages: {', '.join(ERROR_STORAGES)}")
+        if beta is None:
+            beta = _DEFAULT_BETA[kind]
+        beta = float(beta)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1) (got {beta})")
+        if kind == "ef" and beta != 0.0:
+            raise ValueError(f"classic error feedback (kind='ef') has beta = 0 (got {beta}); use kind='loco' for beta > 0")
+        if kind == "none" and beta != 0.0:
+            raise ValueError(f"kind='none' keeps no error state, beta must be left unset (got {beta})")
+        if isinstance(reset_period, bool) or not isinstance(reset_period, int) or reset_period < 1:
+            raise ValueError(f"reset_period must be an integer >= 1 (got {reset_period!r})")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be an integer >= 0 (got {numel!r})")
+        self.kind = kind
+        self.numel = numel
+        self.beta = beta
+        self.reset_period = reset_period
+        self.storage = storage
+        self.group_size = group_size
+        # normalized ("cuda" -> "cuda:0") so that it compares equal to tensor.device
+        self.device = torch.empty(0, device=device).device
+        self._codec: Codec | None = None
+        self._e: Tensor | None = None  # fp32 storage
+        self._codes: Tensor | None = None  # int8 storage: offset-binary codes
+        self._scales: Tensor | None = None  # int8 storage: fp32 group scales
+        self._zero = True  # e is known to be exactly 0 (fresh or just reset): skip the decode
+        if kind == "none":
+            return
+        if storage == "fp32":
+            self._e = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        else:
+            self._codec = make_codec("int8", group_size=group_size, scale_dtype=torch.float32)
+            groups = self._codec.payload_bytes(numel) // group_size  # validates numel % group_size
+            self._codes = torch.full((numel,), 128, dtype=torch.uint8, device=self.device)  # q = 0
+            self._scales = torch.zeros(groups, dtype=torch.float32, device=self.device)
+
+    # -- the rule ---------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """False for kind ``"none"`` (compensate returns its input, update does nothing)."""
+        return self.kind != "none"
+
+    def _check(self, t: Tensor, what: str) -> None:
+        if t.dim() != 1 or t.numel() != self.numel:
+            raise ValueError(f"{what} must be a 1-D tensor of {self.numel} values (got shape {tuple(t.shape)})")
+        if t.device != self.device:
+            raise ValueError(f"{what} is on {t.device} but the error state is on {self.device}")
+
+    def error(self) -> Tensor:
+        """The current error ``e`` as a new fp32 tensor (zeros for kind ``"none"``)."""
+        if self._e is not None:
+            return self._e.clone()
+        if self._codec is not None and not self._zero:
+            return self._codec.decode(self._codes, self._scales)
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def compensate(self, x: Tensor) -> Tensor:
+        """``h = x + e`` as a new fp32 tensor.  For kind ``"none"`` returns ``x`` itself (no copy)."""
+        self._check(x, "x")
+        if not self.active:
+            return x
+        if self._e is not None:
+            return torch.add(x, self._e)  # fp32 (x upcast if it is a lower precision)
+        h = x.to(torch.float32, copy=True)
+        if not self._zero:
+            # h += q * scale in one pass (fused multiply-add where the backend has one)
+            self._codec.decode(self._codes, self._scales, out=h, accumulate=True)
+        return h
+
+    def update(self, h: Tensor, sent: Tensor) -> None:
+        """``e = beta*e + (1-beta)*(h - sent)`` where ``sent = deQ(Q(h))`` (fp32)."""
+        if not self.active:
+            return
+        self._check(h, "h")
+        self._check(sent, "sent")
+        d = torch.sub(h, sent).to(torch.float32)  # the compression error of this round
+        if self._e is not None:
+            if self.beta == 0.0:
+                self._e.copy_(d)
+            else:
+                self._e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
+        else:
+            if self.beta == 0.0 or self._zero:
+                e = d.mul_(1.0 - self.beta) if self.beta else d
+            else:
+                e = self._codec.decode(self._codes, self._scales)
+                e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
+            # Non-finite h was already refused by the wire codec's encode.
+            codes, scales = self._codec.encode(e, check_finite=False)
+            self._codes.copy_(codes)
+            self._scales.copy_(scales)
+        self._zero = False
+
+    def on_committed_step(self, step: int) -> bool:
+        """Call once after optimizer step ``step`` (the count of committed steps, 1-based)
+        commits; resets ``e`` to 0 when ``step % reset_period == 0``.  Returns whether it did.
+
+        Counted in committed optimizer steps, not in rounds, calls or tensors."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0 (got {step!r})")
+        if self.active and step % self.reset_period == 0:
+            self.reset()
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Set ``e = 0``."""
+        if self._e is not None:
+            self._e.zero_()
+        if self._codes is not None:
+            self._codes.fill_(128)
+            self._scales.zero_()
+        self._zero = True
+
+    # -- checkpointing ------------------------------------------------------------------------
+
+    def _config(self) -> list[int]:
+        return [
+            _STATE_FORMAT,
+            FEEDBACK_KINDS.index(self.kind),
+            ERROR_STORAGES.index(self.storage),
+            self.numel,
+            self.group_size,
+            self.reset_period,
+        ]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensors only (safetensors-ready): ``config`` (int64: format, kind, storage, numel,
+        group_size, reset_period), ``beta`` (float64) and the error: ``e`` (fp32 storage) or
+        ``e_codes`` + ``e_scales`` (int8 storage).  The error tensors are the live state (like
+        ``nn.Module.state_dict``): clone them before mutating."""
+        d = {
+            "config": torch.tensor(self._config(), dtype=torch.int64),
+            "beta": torch.tensor([self.beta], dtype=torch.float64),
+        }
+        if self._e is not None:
+            d["e"] = self._e.detach()
+        if self._codes is not None:
+            d["e_codes"] = self._codes.detach()
+            d["e_scales"] = self._scales.detach()
+        return d
+
+    def load_state_dict(self, state: dict[str, Tensor], strict: bool = True) -> None:
+        """Restore from :meth:`state_dict`, bit-exactly.  Raises ``ValueError`` when the
+        checkpoint was written with another kind, storage, size or group size (or, with
+        ``strict``, another beta or reset period; ``strict=False`` lets those change)."""
+        if "config" not in state or "beta" not in state:
+            raise ValueError(f"not an error-feedback state: keys {sorted(state)} lack 'config'/'beta'")
+        cfg = [int(v) for v in state["config"].reshape(-1).tolist()]
+        if len(cfg) != 6 or cfg[0] != _STATE_FORMAT:
+            raise ValueError(f"error-feedback state has format {cfg[:1]}, this code reads format {_STATE_FORMAT}")
+        _, kind_i, storage_i, numel, group_size, reset_period = cfg
+        saved_beta = float(state["beta"].reshape(-1)[0])
+        problems = []
+        if not 0 <= kind_i < len(FEEDBACK_KINDS) or FEEDBACK_KINDS[kind_i] != self.kind:
+            saved = FEEDBACK_KINDS[kind_i] if 0 <= kind_i < len(FEEDBACK_KINDS) else kind_i
+            problems.append(f"kind {saved!r} vs {self.kind!r}")
+        if not 0 <= storage_i < len(ERROR_STORAGES) or ERROR_STORAGES[storage_i] != self.storage:
+            saved = ERROR_STORAGES[storage_i] if 0 <= storage_i < len(ERROR_STORAGES) else storage_i
+            problems.append(f"storage {saved!r} vs {self.storage!r}")
+        if numel != self.numel:
+            problems.append(f"numel {numel} vs {self.numel}")
+        if group_size != self.group_size:
+            problems.append(f"group_size {group_size} vs {self.group_size}")
+        if strict and reset_period != self.reset_period:
+            problems.append(f"reset_period {reset_period} vs {self.reset_period}")
+        if strict and saved_beta != self.beta:
+            problems.append(f"beta {saved_beta} vs {self.beta}")
+        if problems:
+            raise ValueError("error-feedback state does not match this configuration (checkpoint vs now): " + "; ".join(problems))
+
+        def take(key: str, like: Tensor) -> Tensor:
+            if key not in state:
+                raise ValueError(f"error-feedback state lacks {key!r}")
+            t = state[key]
+            if t.dtype != like.dtype or t.shape != like.shape:
+                raise ValueError(
+                    f"error-feedback state {key!r} is {t.dtype} {tuple(t.shape)}, expected {like.dtype} {tuple(like.shape)}"
+                )
+            return t
+
+        if self._e is not None:
+            self._e.copy_(take("e", self._e))
+        if self._codes is not None:
+            codes, scales = take("e_codes", self._codes), take("e_scales", self._scales)
+            self._codes.copy_(codes)
+            self._scales.copy_(scales)
+        self._zero = not self.active
+
+    def nbytes(self) -> int:
+        """Memory held by the error state."""
+        return sum(t.numel() * t.element_size() for t in (self._e, self._codes, self._scales) if t is not None)
+
+    def __repr__(self) -> str:
+        return (
+            f"ErrorFeedback(kind={self.kind!r}, numel={self.numel}, beta={self.beta}, "
+            f"reset_period={self.reset_period}, storage={self.storage!r}, group_size={self.group_size}, "
+            f"device={str(self.device)!r})"
+        )
+
+
+def compress(
+    x: Tensor, codec: Codec, feedback: ErrorFeedback, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Compensate, encode and update in one call: returns ``(payload, scales, sent)`` where
+    ``sent = deQ(payload, scales)`` (fp32).  If ``encode`` raises (NaN/Inf), the error state
+    is left untouched."""
+    h = feedback.compensate(x)
+    payload, scales = codec.encode(h, generator)
+    sent = codec.decode(payload, scales)
+    feedback.update(h, sent)
+    return payload, scales, sent
