@@ -133,8 +133,10 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     per = 8 // bits
     if codes.numel() % per:
         raise ValueError(f"pack_bits({bits}): length {codes.numel()} is not a multiple of {per}")
-    if not codes.is_contiguous() or codes.storage_offset() % per:
-        codes = codes.clone()
+    if torch.compiler.is_compiling():
+        codes = codes.contiguous()  # storage_offset() would break the graph
+    elif not codes.is_contiguous() or codes.storage_offset() % per:
+        codes = codes.clone()  # the word view below needs an aligned start
     # One word per output byte holding its `per` codes in consecutive bytes (little-endian).
     # Doubling steps move the codes of byte k+2**s next to those of byte k:
     # after step s every byte k holds 2**(s+1) codes in its low bits (no bit collides,
@@ -150,7 +152,8 @@ def unpack_bits(packed: Tensor, bits: int, numel: int | None = None) -> Tensor:
     """Inverse of :func:`pack_bits`: one ``uint8`` code (in ``[0, 2**bits)``) per value.
 
     ``numel`` (optional) keeps only the first ``numel`` codes; by default all
-    ``packed.numel() * 8 // bits`` codes are returned.
+    ``packed.numel() * 8 // bits`` codes are returned.  For ``bits == 8`` the result is a
+    view of ``packed``.
     """
     _check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
@@ -205,6 +208,11 @@ def _ceil_to_bf16(s: Tensor) -> Tensor:
 def _group_rms(xg: Tensor) -> Tensor:
     """sqrt(mean(x**2)) per row in fp32, safe against overflow/underflow of the squares."""
     g = xg.shape[1]
+    if torch.compiler.is_compiling():
+        # branch-free (no host sync, no graph break): always scale by absmax; fuses into one read
+        amax = xg.abs().amax(dim=1, keepdim=True)
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        return amax.squeeze(1) * torch.linalg.vector_norm(xg / safe, dim=1) * (1.0 / math.sqrt(g))
     rms = torch.linalg.vector_norm(xg, dim=1) * (1.0 / math.sqrt(g))
     # Squares overflow above ~1.8e19 and lose precision below ~1e-19: redo those rows
     # (rare: diverging values, exact-zero groups, denormal-scale values) scaled by absmax.
@@ -292,7 +300,7 @@ class Codec:
         groups = self._groups(x.numel())
         if generator is not None and generator.device.type != x.device.type:
             raise ValueError(f"generator is on {generator.device} but the tensor is on {x.device}")
-        xg = x.to(torch.float32).view(groups, self.group_size)
+        xg = x.to(torch.float32).reshape(groups, self.group_size)  # copies only if strided
         if self.bits == 1:
             return self._encode_sign(xg, check_finite)
         return self._encode_int(xg, generator, check_finite)
@@ -360,9 +368,14 @@ class Codec:
                 f"got {payload.numel()}"
             )
         if out is not None:
-            if out.dtype != torch.float32 or out.shape != (numel,) or out.device != payload.device:
+            if (
+                out.dtype != torch.float32
+                or out.shape != (numel,)
+                or out.device != payload.device
+                or not out.is_contiguous()
+            ):
                 raise ValueError(
-                    f"{self.name}.decode: out must be a 1-D float32 tensor of {numel} values on "
+                    f"{self.name}.decode: out must be a contiguous 1-D float32 tensor of {numel} values on "
                     f"{payload.device} (got {out.dtype}, {tuple(out.shape)}, {out.device})"
                 )
         elif accumulate:
