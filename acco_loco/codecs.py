@@ -10,7 +10,7 @@ and back.  Groups are contiguous blocks of ``group_size`` values of the flat buf
 Symmetric integer codecs (``int8``, ``int4``, ``int2``; B bits), per group::
 
     qmax  = 2**(B-1) - 1
-    scale = absmax(group) / qmax                  (0 for an all-zero group)
+    scale = max(absmax(group) / qmax, 2**-126)    (0 for an all-zero group)
     q     = clamp(round(h / scale), -qmax-1, qmax)  (round half to even; or stochastic)
     deQ   = q * scale                               (exactly zero where scale == 0)
 
@@ -172,7 +172,8 @@ def unpack_bits(packed: Tensor, bits: int, numel: int | None = None) -> Tensor:
     shift = 8 - bits
     masks = _spread_masks(bits)
     for s in reversed(range(len(masks))):
-        word = (word | (word << (shift << s))) & masks[s]
+        word |= word << (shift << s)
+        word &= masks[s]
     codes = word.view(torch.uint8)
     return codes if numel == total else codes[:numel]
 
@@ -196,6 +197,7 @@ def pad_to_multiple(x: Tensor, multiple: int, value: float = 0.0) -> Tensor:
 # ----------------------------------------------------------------------------------------
 
 _BF16_MAX_BITS = 0x7F7F0000  # largest finite bf16, as fp32 bits
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, smallest normal (also a bf16 value)
 
 
 def _ceil_to_bf16(s: Tensor) -> Tensor:
@@ -310,7 +312,9 @@ class Codec:
         amax = torch.maximum(xg.amax(dim=1), xg.amin(dim=1).neg())  # NaN propagates
         if check_finite and xg.numel() and not bool(torch.isfinite(amax).all()):
             raise _nonfinite_error(f"{self.name}.encode input")
-        scale = amax / qmax
+        # absmax / qmax, kept >= the smallest normal fp32 for non-zero groups (a subnormal
+        # quotient would lose precision and let h / scale exceed qmax); 0 for zero groups
+        scale = torch.where(amax > 0, (amax / qmax).clamp_min_(_FP32_TINY), 0.0)
         if self.scale_dtype == torch.bfloat16:
             scales = _ceil_to_bf16(scale)
             scale = scales.to(torch.float32)
@@ -319,11 +323,12 @@ class Codec:
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero groups: h == 0
         y = xg / safe[:, None]
         if generator is None:
+            # |h / scale| <= qmax * (1 + 2**-23) because scale >= fl(absmax / qmax) is normal,
+            # so round() already lands in [-qmax, qmax]: no clamp pass needed
             y.round_()
         else:
             noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-            y.add_(noise).floor_()
-        y.clamp_(-qmax - 1, qmax)
+            y.add_(noise).floor_().clamp_(-qmax - 1, qmax)
         # q as int8 (two's complement); flipping bit B-1 of the B-bit field gives the
         # offset-binary code q + 2**(B-1) (cheaper on bytes than an fp32 add).
         codes = y.view(-1).to(torch.int8).view(torch.uint8)
@@ -382,14 +387,15 @@ class Codec:
             raise ValueError(f"{self.name}.decode: accumulate=True needs an out tensor")
 
         s = scales.to(torch.float32)[:, None]
-        codes = unpack_bits(payload, self.bits)
         # Exact small integers q as int8, then one type-promoting multiply: q * scale in fp32.
-        if self.bits == 1:
-            q = codes.view(torch.int8) * 2 - 1  # {0, 1} -> {-1, +1}
-        elif self.bits == 8:
-            q = (codes ^ 0x80).view(torch.int8)  # offset binary -> two's complement
+        if self.bits == 8:
+            q = torch.bitwise_xor(payload, 0x80).view(torch.int8)  # offset binary -> two's complement
         else:
-            q = codes.view(torch.int8) - (1 << (self.bits - 1))
+            q = unpack_bits(payload, self.bits).view(torch.int8)  # a fresh tensor: edit in place
+            if self.bits == 1:
+                q.mul_(2).sub_(1)  # {0, 1} -> {-1, +1}
+            else:
+                q.sub_(1 << (self.bits - 1))
         q = q.view(groups, self.group_size)
         if out is None:
             return torch.mul(q, s).view(numel)

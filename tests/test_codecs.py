@@ -126,6 +126,21 @@ def test_bf16_scale_rounding_direction_matters():
     assert scales.float() >= a / 127
 
 
+@pytest.mark.parametrize("name", INT_CODECS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_subnormal_groups_keep_the_bound(name, scale_dtype):
+    """absmax/qmax below the smallest normal fp32 would be a subnormal scale with few
+    significant bits, letting h/scale overshoot qmax; the scale is floored at 2**-126."""
+    codec = make_codec(name, group_size=8, scale_dtype=scale_dtype)
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.tensor([3e-39, -1e-40, 7e-45, 0, 0, 0, 2e-39, -3e-39] + [1.0, -0.5, 0.25, 0, 0, 0, 0, 0.125])
+    payload, scales = codec.encode(x)
+    y = codec.decode(payload, scales)
+    s = scales.float().repeat_interleave(8).double()
+    assert scales[0].float() == tiny
+    assert ((x.double() - y.double()).abs() <= s / 2 * (1 + 1e-6)).all()
+
+
 def test_accepts_lower_precision_input():
     codec = make_codec("int8", group_size=16)
     x = torch.randn(64).to(torch.bfloat16)
