@@ -28,14 +28,17 @@ can leave the machine)::
   are killed first (those started with :meth:`Testbed.popen` by process group, then anything
   ``ip netns pids`` still reports).
 
-Burst: tbf can only send ``burst`` bytes at once after the qdisc was idle or woke up late, so a
-burst smaller than ``rate x (wake-up latency)`` caps throughput below the rate, and a burst
-smaller than one GSO super-packet (64 KiB on veth) makes tbf split every packet in software.
-Default: ``burst = max(rate_bytes_per_s * 4 ms, 128 KiB)`` (4 ms = one jiffy at HZ=250, the
-classic ``rate/HZ`` rule, with room for two GSO packets). 100 Mbit -> 128 KiB, 1 Gbit ->
-500 kB. The burst is also the largest overshoot of the rate over short windows, so
-throughput measured over a transfer of ``B`` bytes can exceed the rate by at most
-``burst/B``.
+Burst: tbf can only send ``burst`` bytes at once after its timer fired, so a burst smaller
+than ``rate x (wake-up latency)`` caps throughput below the rate; a burst larger than needed
+lets the link run faster than the rate after idle gaps (a real wire has no such credit: a
+transfer of ``B`` bytes can beat the rate by up to ``burst/B``). Default:
+``burst = max(rate_bytes_per_s x 4 ms, 16 KiB)`` -- the classic ``rate/HZ`` rule with HZ=250,
+floored at ~11 full frames. 50 Mbit -> 25 kB, 100 Mbit -> 50 kB, 1 Gbit -> 500 kB. Measured
+here with a one-way gloo stream (receiver-timed goodput; TCP ceiling 0.956 x rate):
+1 Gbit: 64 KiB -> 592, 128 KiB -> 906, 500 kB -> 947, 2 MiB -> 968 Mbit/s (the last beats the
+ceiling by burst credit); 100 Mbit: 8 KiB..64 KiB all 94.8-95.4 Mbit/s. A burst below one GSO
+super-packet (64 KiB on veth) makes tbf segment GSO packets in software: harmless at these
+rates.
 
 Queue: tbf's ``latency`` (``LinkSpec.queue_ms``, default 50 ms) bounds the queue to
 ``rate x latency + burst`` bytes; packets beyond are dropped (TCP then backs off).
@@ -46,8 +49,26 @@ qdisc and ``tbf`` as its only child (``handle 1: netem delay D limit P``, ``pare
 the layout the netem documentation gives for rate + delay). netem first holds every packet for
 D, then tbf serialises at the rate; netem's ``limit`` (packets) is raised to cover the
 bandwidth-delay product, otherwise netem's default of 1000 packets drops at 1 Gbit x 10+ ms.
-Kernels without ``CONFIG_NET_SCH_NETEM`` (e.g. the 2-core dev VM) reject delay_ms > 0 with a
-clear error; rate-only links need only ``CONFIG_NET_SCH_TBF``.
+Kernels without ``CONFIG_NET_SCH_NETEM`` (e.g. the 2-core dev VM, whose kernel has only tbf,
+htb, fifo and ingress) reject delay_ms > 0 with a clear error; rate-only links need only
+``CONFIG_NET_SCH_TBF``. The delay path is therefore not exercised on the dev VM.
+
+Counters: :meth:`Testbed.tx_bytes`/``rx_bytes`` read ``/sys/class/net/<veth>/statistics``
+inside the worker's namespace (``ip netns exec`` remounts /sys there; from the root namespace
+those devices are invisible). veth counts each skb it transmits: a GSO super-packet (up to
+64 KiB, one header set) counts once, so tx_bytes ~ payload x 1.003 when the burst is >= 64
+KiB (1 Gbit), but tbf segments GSO packets when burst < 64 KiB (<= 100 Mbit with the default
+burst) and then every 1514-byte frame counts its own headers: ~ payload x 1.04-1.06 with ACKs.
+For the bytes the rate is applied to (every frame, headers included) use
+``qdisc_stats(rank)['up']['bytes']``.
+
+Name lookups: each worker namespace gets ``/etc/netns/<ns>/hosts`` (``ip netns exec``
+bind-mounts it over /etc/hosts) mapping ``<prefix>w<i>`` to the testbed addresses, also as
+``::ffff:a.b.c.d`` because c10d's TCPStore listens dual-stack and reverse-resolves its peers
+(without it every connection logs "The hostname of the client socket cannot be retrieved"),
+and this machine's host name to the worker's own address, so gloo's hostname-based interface
+choice works even without GLOO_SOCKET_IFNAME (without the file it picked 127.0.0.1 and
+connectFullMesh failed). Removed at teardown.
 
 Environment of processes started with :meth:`Testbed.popen` (on top of ``os.environ``; the
 ``env`` argument wins): ``GLOO_SOCKET_IFNAME`` and ``TP_SOCKET_IFNAME`` = the worker's veth
@@ -56,6 +77,14 @@ names an address that does not exist there), ``MASTER_ADDR`` = worker 0's addres
 ``TESTBED_RANK``, ``TESTBED_WORLD_SIZE``, ``TESTBED_ADDR``, ``TESTBED_IFNAME``,
 ``TESTBED_ADDRESSES`` (comma-separated). Every namespace is fresh, so any port is free in it
 (e.g. 29500 for ``MASTER_PORT``).
+
+Teardown (``__exit__``, also after an exception, KeyboardInterrupt or SIGTERM): while the
+context is open a SIGTERM handler raises :class:`TestbedTerminated` (a SystemExit with code
+143) in the main thread, so the with-block unwinds; the previous handler is restored at exit.
+Processes from ``popen`` get SIGTERM, then SIGKILL after ``kill_grace_s``, by process group
+(they run in their own session); SIGTERM/SIGINT arriving during teardown are held and
+re-delivered afterwards. An ``atexit`` hook covers a testbed left open. After a SIGKILL of
+the creating process nothing runs: :func:`cleanup_stale` removes those leftovers.
 
 Needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``); ``cpu=`` needs
 ``taskset`` (util-linux). :func:`requires_root_reason` says why the testbed cannot run here.
@@ -94,7 +123,7 @@ DEFAULT_SUBNET = "10.213.0.0/24"
 _IFNAMSIZ = 15  # Linux interface names: at most 15 characters
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,9}$")
 _SEQ = itertools.count()
-_GSO_MAX = 64 * 1024
+_MIN_BURST = 16 * 1024
 
 
 class TestbedError(RuntimeError):
@@ -161,7 +190,7 @@ class LinkSpec:
 
     rate: tc rate ('100mbit', '1gbit', or bits/s as a number).
     delay_ms: one-way delay added on each direction of each worker link (needs netem).
-    burst: tbf bucket ('256kb', bytes as int); None -> max(rate * 4 ms, 128 KiB).
+    burst: tbf bucket ('256kb', bytes as int); None -> max(rate x 4 ms, 16 KiB).
     queue_ms: tbf 'latency': the queue holds rate * queue_ms + burst bytes before dropping.
     mtu: MTU of the veths (1500 like Ethernet).
     """
@@ -183,7 +212,7 @@ class LinkSpec:
             if b < self.mtu + 14:
                 raise ValueError(f"burst {self.burst!r} is below one frame ({self.mtu + 14} bytes)")
             return b
-        return max(int(self.rate_bps / 8 * 0.004), 2 * _GSO_MAX)
+        return max(int(self.rate_bps / 8 * 0.004), _MIN_BURST)
 
     def netem_limit(self) -> int:
         """netem queue in packets: 2 x bandwidth-delay product in MTU frames, at least 1000."""
@@ -497,7 +526,9 @@ class Testbed:
         # name -> the worker's own address, so that name lookups (c10d's reverse lookup of
         # peers, gloo's fallback when GLOO_SOCKET_IFNAME is unset) resolve locally
         host = socket.gethostname()
-        names = "".join(f"{a}\t{self.prefix}w{i}\n" for i, a in enumerate(self.addresses))
+        # (also as IPv4-mapped IPv6: c10d's TCPStore listens dual-stack and looks up ::ffff:a.b.c.d)
+        names = "".join(f"{a}\t{self.prefix}w{i}\n::ffff:{a}\t{self.prefix}w{i}\n"
+                        for i, a in enumerate(self.addresses))
 
         add_ns(self.hub_ns)
         hub = ["ip", "-n", self.hub_ns]

@@ -43,12 +43,13 @@ def test_units_and_tc_commands():
     assert tbm.parse_size("128kb") == 131072
     with pytest.raises(ValueError):
         tbm.parse_rate("fast")
-    # burst = max(rate x 4 ms, 128 KiB)
-    assert LinkSpec("100mbit").burst_bytes == 131072
+    # burst = max(rate x 4 ms, 16 KiB)
+    assert LinkSpec("100mbit").burst_bytes == 50_000
+    assert LinkSpec("10mbit").burst_bytes == 16384
     assert LinkSpec("1gbit").burst_bytes == 500_000
     assert LinkSpec("1gbit", burst="1mb").burst_bytes == 1 << 20
     (cmd,) = LinkSpec("50mbit").tc_commands("eth9")
-    assert cmd[cmd.index("tbf"):] == ["tbf", "rate", "50000000bit", "burst", "131072",
+    assert cmd[cmd.index("tbf"):] == ["tbf", "rate", "50000000bit", "burst", "25000",
                                       "latency", "50ms"]
     netem, tbf = LinkSpec("1gbit", delay_ms=20).tc_commands("eth9")
     assert netem[4:7] == ["root", "handle", "1:"] and "netem" in netem and "20ms" in netem
@@ -175,4 +176,18 @@ def test_cleanup_stale_after_crash():
     assert any(x.endswith("-w0") for x in left)
     removed = cleanup_stale(prefix)
     assert len(removed) == 3, removed
+    assert _leftovers(prefix) == []
+
+
+@pytest.mark.root
+@skip_unless_root
+def test_two_testbeds_coexist():
+    prefix = "acltwo"
+    with Testbed(workers=2, link=LinkSpec("10mbit"), prefix=prefix) as a, \
+            Testbed(workers=3, link=LinkSpec("20mbit"), prefix=prefix) as b:
+        assert not set(a.namespaces + [a.hub_ns]) & set(b.namespaces + [b.hub_ns])
+        assert a.addresses[:2] == b.addresses[:2]  # same subnet, isolated namespaces
+        out = b.run(2, ["cat", "/sys/class/net/acltwow2/address", "/etc/hosts"]).stdout
+        assert "acltwow2" in out
+        assert a.qdisc_stats(1)["down"] and b.counters(2)["tx_bytes"] >= 0
     assert _leftovers(prefix) == []
