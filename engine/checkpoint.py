@@ -153,6 +153,9 @@ def _rank_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     tensors["rng_cpu"] = torch.get_rng_state()
     if engine.device.type == "cuda":
         tensors["rng_cuda"] = torch.cuda.get_rng_state(engine.device)
+    if engine.grad_codec is not None:
+        for k, v in engine.grad_codec.feedback.state_dict().items():
+            tensors[f"feedback.{k}"] = v.detach().cpu().contiguous()
     kept = engine._kept
     if kept is not None:
         tensors["kept_grad_sum"] = kept.grad_sum.detach().cpu().contiguous()
@@ -193,6 +196,11 @@ def _restore_rank_state(engine, file: Path) -> None:
     with torch.no_grad():
         flat.grads[flat.active].copy_(tensors["pending_grad"].to(dev))
         engine.gather_buf.copy_(flat.data)
+    if engine.grad_codec is not None:
+        fb = {k[len("feedback."):]: v.to(dev) for k, v in tensors.items() if k.startswith("feedback.")}
+        if not fb:
+            raise ValueError(f"{file} holds no error-feedback state but codec={engine.cfg.codec!r} needs it")
+        engine.grad_codec.feedback.load_state_dict(fb)
     torch.set_rng_state(tensors["rng_cpu"])
     if "rng_cuda" in tensors and dev.type == "cuda":
         torch.cuda.set_rng_state(tensors["rng_cuda"], dev)

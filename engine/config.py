@@ -14,7 +14,10 @@ NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 # Fields that decide the trajectory's structure: a checkpoint refuses to resume under others.
-STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align")
+STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align", "codec", "param_codec",
+                     "group_size", "error_storage", "scale_dtype")
+ERROR_STORAGES = ("int8", "fp32")
+SCALE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -44,6 +47,16 @@ class EngineConfig:
     align: int = 128  # shards are multiples of this many values (codec group size)
     nan_policy: str = "skip"  # skip the step, or stop with an error
     seed: int = 0
+
+    # low-bit communication (LoCo): see README "Codecs"
+    codec: str = "none"  # gradients: none | int8/4/2 | ef8/4/2/1 | loco8/4/2/1 | sign1
+    param_codec: str = "auto"  # params: auto (compute dtype) | float32 | bfloat16 | int8 | int4 (deltas)
+    group_size: int = 128  # values per quantization group (a multiple of 8)
+    loco_beta: float = 0.8  # LoCo moving average of past errors
+    reset_period: int = 1024  # committed steps between error resets
+    error_storage: str = "int8"  # int8 (LoCo's 8-bit errors) | fp32
+    scale_dtype: str = "float32"  # group scales on the wire: float32 | bfloat16
+    stochastic_rounding: bool = False
 
     # runtime
     timeout_s: float = 300.0  # a peer silent this long is reported as lost
@@ -91,6 +104,21 @@ class EngineConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every is set but checkpoint_dir is not: give a directory")
+        from .compressed import PARAM_CODECS, parse_grad_codec
+
+        parse_grad_codec(self.codec)
+        if self.param_codec not in PARAM_CODECS:
+            raise ValueError(f"unknown param_codec {self.param_codec!r}: choose one of {PARAM_CODECS}")
+        _positive_int("group_size", self.group_size)
+        if self.group_size % 8:
+            raise ValueError(f"group_size must be a multiple of 8, got {self.group_size}")
+        if not 0.0 <= self.loco_beta < 1.0:
+            raise ValueError(f"loco_beta must lie in [0, 1), got {self.loco_beta}")
+        _positive_int("reset_period", self.reset_period)
+        if self.error_storage not in ERROR_STORAGES:
+            raise ValueError(f"unknown error_storage {self.error_storage!r}: choose one of {ERROR_STORAGES}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"unknown scale_dtype {self.scale_dtype!r}: choose one of {SCALE_DTYPES}")
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()  # validates the optimizer fields
 

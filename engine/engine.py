@@ -12,6 +12,7 @@ gradients it just accumulated as the next round and goes on accumulating into th
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -24,6 +25,7 @@ from acco_loco.optim import ShardState
 
 from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
+from .compressed import build_codecs
 from .config import EngineConfig
 from .flat import FlatParams
 from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
@@ -95,7 +97,9 @@ class Engine:
             raise TypeError(f"trainable parameters must be floating point, got {dtype}")
         if cfg.compute_dtype != "auto":
             model.to(dtype)
-        self.flat = FlatParams([p for _, p in named], [n for n, _ in named], world, cfg.align, dtype)
+        unit = math.lcm(cfg.align, cfg.group_size) if cfg.codec != "none" or cfg.param_codec in ("int8", "int4") \
+            else cfg.align
+        self.flat = FlatParams([p for _, p in named], [n for n, _ in named], world, unit, dtype)
         padded32 = torch.zeros(self.flat.padded, dtype=torch.float32, device=device)
         padded32[:flat32.numel()] = flat32
         self.comm.broadcast_(padded32, src=0)
@@ -104,6 +108,7 @@ class Engine:
         self.gather_buf = self.flat.data.clone()  # what every replica holds after the last round
         del padded32, flat32
 
+        self.grad_codec, self.param_codec = build_codecs(cfg, self.flat.padded, world, device, rank)
         self.worker = CommWorker(device)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)

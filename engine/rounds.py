@@ -62,7 +62,10 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
 
     t = time.perf_counter()
     local_bad = not bool(torch.isfinite(full).all())
-    grad_sum = comm.reduce_scatter_sum(full)
+    if engine.grad_codec is not None:
+        grad_sum = engine.grad_codec.reduce_scatter(comm, full, req.count, finite=not local_bad)
+    else:
+        grad_sum = comm.reduce_scatter_sum(full)
     phases["reduce_scatter"] = (t, time.perf_counter())
 
     t = time.perf_counter()
@@ -103,6 +106,8 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
         if coef < 1.0:
             grad.mul_(coef)
         new_shard = optimizer_step(state, grad, lr, engine.spec, commit=req.kind is RoundKind.COMMIT)
+    if req.kind is RoundKind.COMMIT and engine.grad_codec is not None:
+        engine.grad_codec.feedback.on_committed_step(req.step_index + 1)
     if req.kind is RoundKind.ESTIMATE:
         engine._kept = KeptHalf(grad_sum, round_count, round_loss, round_samples)
     else:
@@ -110,7 +115,13 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
     phases["optimizer"] = (t, time.perf_counter())
 
     t = time.perf_counter()
-    comm.all_gather(new_shard.to(flat.dtype), engine.gather_buf)
+    if engine.param_codec is not None:
+        engine.param_codec.all_gather(comm, new_shard, engine.gather_buf, rank)
+    elif cfg.param_codec in ("float32", "bfloat16") and getattr(torch, cfg.param_codec) != flat.dtype:
+        wire = torch.empty(flat.padded, dtype=getattr(torch, cfg.param_codec), device=full.device)
+        engine.gather_buf.copy_(comm.all_gather(new_shard.to(wire.dtype), wire))
+    else:
+        comm.all_gather(new_shard.to(flat.dtype), engine.gather_buf)
     phases["all_gather"] = (t, time.perf_counter())
     if cfg.poison_freed_buffers:
         full.fill_(float("nan"))  # any read of a released buffer now shows up as NaN
