@@ -91,8 +91,8 @@ def test_recipe_two_processes_resume_and_refusals(tmp_path):
 
     # a different trajectory in the same output dir: refused, nothing overwritten
     r = _run(common + ["--max-steps", "12", "--resume", "--lr", "1e-3"])
-    assert r.returncode == 2
+    assert r.returncode != 0  # the recipe exits 2; torchrun reports a failed worker as 1
     assert "different configuration" in r.stderr and "lr=" in r.stderr
     # --resume where there is no checkpoint
     r = _run(common[:-4] + ["--output-dir", str(tmp_path / "empty"), "--resume", "--max-steps", "2"])
-    assert r.returncode == 2 and "no checkpoint" in r.stderr
+    assert r.returncode != 0 and "no checkpoint" in r.stderr
