@@ -60,6 +60,27 @@ class Comm:
         self.chunks = chunks
         self.bytes_sent = 0  # what this worker put on the wire, all rounds together
 
+    def all_to_all_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Send row j of ``rows`` ([world, L], any dtype) to rank j; returns the rows received
+        (row j came from rank j). Split into ``chunks`` async pieces along L for gloo speed."""
+        n = self.world_size
+        if n == 1:
+            return rows.clone()
+        received = torch.empty_like(rows)
+        bounds = _chunk_bounds(rows.shape[1], self.chunks)
+        whole = len(bounds) == 1
+        works = []
+        for a, b in bounds:
+            send = rows.contiguous() if whole else rows[:, a:b].contiguous()
+            recv = received if whole else torch.empty_like(send)
+            works.append((a, b, recv, dist.all_to_all_single(recv, send, async_op=True)))
+        for a, b, recv, work in works:
+            work.wait()
+            if not whole:
+                received[:, a:b].copy_(recv)
+        self.bytes_sent += (n - 1) * rows[0].numel() * rows.element_size()
+        return received
+
     def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum over workers of ``full``'s shard ``rank``, in fp32."""
         n = self.world_size
@@ -68,30 +89,9 @@ class Comm:
             out = torch.empty(shard, dtype=torch.float32, device=full.device)
         if n == 1:
             return out.copy_(full)
-        rows = full.view(n, shard)
-        received = torch.empty_like(rows)
-        bounds = _chunk_bounds(shard, self.chunks)
-        works = []
-        for a, b in bounds:
-            send = rows[:, a:b] if len(bounds) == 1 else rows[:, a:b].contiguous()
-            recv = received[:, a:b] if len(bounds) == 1 else torch.empty_like(send)
-            works.append((a, b, recv, dist.all_to_all_single(recv, send, async_op=True)))
-        for a, b, recv, work in works:
-            work.wait()
-            if len(bounds) > 1:
-                received[:, a:b].copy_(recv)
-        self.bytes_sent += (n - 1) * shard * full.element_size()
+        received = self.all_to_all_rows(full.view(n, shard))
         torch.sum(received, dim=0, dtype=torch.float32, out=out)
         return out
-
-    def all_to_all_bytes(self, send: torch.Tensor) -> torch.Tensor:
-        """Exchange equal row slices of a uint8/any tensor shaped [world, ...]; returns received rows."""
-        if self.world_size == 1:
-            return send.clone()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous())
-        self.bytes_sent += (self.world_size - 1) * send[0].numel() * send.element_size()
-        return recv
 
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Concatenate every worker's ``shard`` into ``out`` (same dtype)."""

@@ -88,7 +88,7 @@ class CompressedGrads:
         weight = torch.tensor([float(count)], dtype=torch.float32, device=full.device).view(torch.uint8)
         rows = torch.cat([payload.view(n, -1), _scale_bytes(scales).view(n, -1),
                           weight.view(1, -1).expand(n, -1)], dim=1)
-        received = comm.all_to_all_bytes(rows)
+        received = comm.all_to_all_rows(rows)
         p_len = payload.numel() // n
         s_len = scales.numel() * scales.element_size() // n
         out = torch.zeros(shard, dtype=torch.float32, device=full.device)
