@@ -1,0 +1,314 @@
+"""One worker of ``recipes/benchmark.py``: trains one mode for a sample budget and reports.
+
+Started by the benchmark inside a testbed namespace (``Testbed.popen``) as::
+
+    python recipes/bench_worker.py SPEC.json OUT.json
+
+SPEC holds the run (role, mode, model shape, data seed, learning rate, sample budget, eval
+points); RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment. OUT receives one
+JSON object: per-step history, eval snapshots' held-out losses (this rank evaluates snapshots
+``i % world == rank``), the wire bytes the mode accounts for and the tx_bytes of this worker's
+interface over the same window, and the timeline (times relative to this worker's start ``t0``,
+with ``t0_abs`` = time.perf_counter() there; perf_counter is CLOCK_MONOTONIC, shared by the
+processes of one machine, so the parent can align ranks).
+
+Roles:
+* ``train``: one of the modes of ``benchmark.MODES`` (torch DDP peers or this engine);
+* ``compute``: the same fwd+bwd work at world size 1 with no communication (the ceiling).
+
+Every worker uses one thread (``torch.set_num_threads(1)``): the benchmark pins one worker per
+core, or two per core for ``--hetero``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# mode -> how to train it. "ddp": (accumulation, powersgd rank or None); "engine": EngineConfig fields
+DDP_MODES: dict[str, tuple[int, int | None]] = {
+    "torch-ddp-acc1": (1, None),
+    "torch-ddp-acc4": (4, None),
+    "torch-ddp-acc12": (12, None),
+    "torch-ddp+powersgd1": (1, 1),
+    "torch-ddp+powersgd4": (1, 4),
+}
+ENGINE_MODES: dict[str, dict] = {
+    "zero1": {"strategy": "zero1", "codec": "none", "param_codec": "auto"},
+    "dpu": {"strategy": "dpu", "codec": "none", "param_codec": "auto"},
+    "acco": {"strategy": "acco", "codec": "none", "param_codec": "auto"},
+    "acco+loco4": {"strategy": "acco", "codec": "loco4", "param_codec": "int8"},
+    "acco+loco4+int4params": {"strategy": "acco", "codec": "loco4", "param_codec": "int4"},
+}
+ALL_MODES = tuple(DDP_MODES) + tuple(ENGINE_MODES)
+
+
+def tx_bytes() -> int | None:
+    """This worker's interface counter (read inside the namespace: `ip netns exec` remounts /sys)."""
+    ifname = os.environ.get("TESTBED_IFNAME")
+    if not ifname:
+        return None
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def build_data(spec: dict, rank: int, world: int):
+    from engine.data import (ByteTokenizer, TokenBatches, eval_batches, load_text_documents,
+                             split_heldout, tokenize_documents)
+
+    tok = ByteTokenizer()
+    train_docs, held_docs = split_heldout(load_text_documents(None), spec["heldout"])
+    stream = TokenBatches(tokenize_documents(train_docs, tok), spec["seq_len"], spec["micro_batch"],
+                          rank=rank, world_size=world, seed=spec["seed"])
+    held = eval_batches(tokenize_documents(held_docs, tok), spec["seq_len"], spec["micro_batch"],
+                        max_batches=spec["eval_batches"])
+    return tok, stream, held
+
+
+def build_model(spec: dict, vocab: int):
+    from engine.models import tiny_gpt2
+
+    return tiny_gpt2(vocab_size=vocab, n_layer=spec["n_layer"], n_embd=spec["n_embd"],
+                     n_head=spec["n_head"], n_positions=spec["seq_len"] + 1, seed=spec["seed"])
+
+
+class Snapshots:
+    """Copies of the parameters at the eval points (cumulative global samples)."""
+
+    def __init__(self, points: list[int], t0: float):
+        self.points = sorted(points)
+        self.next = 0  # index of the next point not yet reached
+        self.t0 = t0
+        self.taken: list[dict] = []  # {"samples", "time_s", "step", "params"}
+
+    def maybe(self, model: torch.nn.Module, samples: int, step: int, force: bool = False) -> None:
+        due = self.next < len(self.points) and samples >= self.points[self.next]
+        if not (due or force) or (self.taken and self.taken[-1]["step"] == step):
+            return
+        now = time.perf_counter() - self.t0
+        params = [p.detach().clone() for p in model.parameters()]
+        self.taken.append({"samples": samples, "time_s": now, "step": step, "params": params})
+        while self.next < len(self.points) and samples >= self.points[self.next]:
+            self.next += 1  # a coarse step may cross several points: one snapshot for them
+
+    def evaluate(self, model: torch.nn.Module, held, rank: int, world: int) -> list[dict]:
+        from engine.data import eval_loss
+
+        out = []
+        for i, snap in enumerate(self.taken):
+            row = {k: snap[k] for k in ("samples", "time_s", "step")}
+            if i % world == rank:
+                with torch.no_grad():
+                    for p, v in zip(model.parameters(), snap["params"]):
+                        p.copy_(v)
+                row["loss"] = eval_loss(model, held).loss
+            out.append(row)
+        return out
+
+
+def run_compute(spec: dict) -> dict:
+    """fwd+bwd of ``compute_micro_batches`` micro-batches at world size 1, no optimizer, no comm."""
+    from engine.data import hf_lm_loss
+
+    rank = int(os.environ.get("TESTBED_RANK", "0"))
+    world = int(os.environ.get("TESTBED_WORLD_SIZE", "1"))
+    tok, stream, _ = build_data(spec, rank, world)
+    model = build_model(spec, len(tok))
+    times = []
+    for j, batch in zip(range(spec["compute_micro_batches"] + 1), stream.iter_from(0)):
+        t = time.perf_counter()
+        hf_lm_loss(model, batch).backward()
+        if j:  # the first one warms the allocator up
+            times.append(time.perf_counter() - t)
+    return {"rank": rank, "micro_batch_s": times}
+
+
+def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from engine.data import hf_lm_loss
+
+    acc, psgd_rank = DDP_MODES[spec["mode"]]
+    tok, stream, held = build_data(spec, rank, world)
+    model = build_model(spec, len(tok))
+    ddp = DDP(model)
+    hook_bytes = [0]
+    if psgd_rank is not None:
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=psgd_rank,
+                                       start_powerSGD_iter=2, use_error_feedback=True,
+                                       warm_start=True, random_seed=spec["seed"])
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        # the hook's collectives are python dist.all_reduce calls: count what a ring sends
+        real_all_reduce = dist.all_reduce
+
+        def counting_all_reduce(tensor, *a, **kw):
+            hook_bytes[0] += 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
+            return real_all_reduce(tensor, *a, **kw)
+
+        dist.all_reduce = counting_all_reduce
+    # plain DDP all-reduces every bucket once per synchronised backward; the buckets hold
+    # every gradient, so a ring sends 2(N-1)/N of their total
+    bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+    per_sync = 2 * (world - 1) * bucket_bytes // world
+    opt = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    per_step_samples = world * acc * spec["micro_batch"]
+    steps = math.ceil(spec["samples"] / per_step_samples)
+
+    dist.barrier()
+    tx0, t0 = tx_bytes(), time.perf_counter()
+    hook_bytes[0] = 0
+    snaps = Snapshots(spec["eval_points"], t0)
+    history, timeline = [], []
+    it = stream.iter_from(0)
+    samples = 0
+    t_step = t0
+    for step in range(1, steps + 1):
+        loss_sum = 0.0
+        for k in range(acc):
+            batch = next(it)
+            t = time.perf_counter()
+            sync = k == acc - 1
+            if sync:
+                loss = hf_lm_loss(ddp, batch) / acc
+                loss.backward()
+            else:
+                with ddp.no_sync():
+                    loss = hf_lm_loss(ddp, batch) / acc
+                    loss.backward()
+            loss_sum += float(loss) * acc
+            timeline.append(("compute+allreduce" if sync else "compute", rank, t - t0,
+                             time.perf_counter() - t0, step))
+        t = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        now = time.perf_counter()
+        timeline.append(("optimizer", rank, t - t0, now - t0, step))
+        samples += per_step_samples
+        history.append({"step": step, "loss": loss_sum / acc, "samples": per_step_samples,
+                        "micro_batches": acc, "global_micro_batches": world * acc,
+                        "wire_bytes": per_sync if psgd_rank is None else None, "time_s": now - t_step})
+        t_step = now
+        snaps.maybe(model, samples, step, force=step == steps)
+    t_end = time.perf_counter()
+    tx1 = tx_bytes()
+    if psgd_rank is None:
+        accounted = per_sync * steps
+    else:
+        accounted = hook_bytes[0]
+        n = len(history)
+        for h in history:  # the hook's bytes are not split per step here: spread them evenly
+            h["wire_bytes"] = accounted / n
+    dist.barrier()
+    evals = snaps.evaluate(model, held, rank, world)
+    return {"history": history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
+            "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
+            "tx_bytes": None if tx0 is None else tx1 - tx0, "bucket_bytes": bucket_bytes}
+
+
+def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
+    from acco_loco.acco import RoundKind
+    from engine import Engine, EngineConfig
+    from engine.data import hf_lm_loss
+
+    tok, stream, held = build_data(spec, rank, world)
+    model = build_model(spec, len(tok))
+    cfg = EngineConfig(
+        **ENGINE_MODES[spec["mode"]], accumulation="adaptive", micro_batches=1,
+        max_micro_batches=spec["max_micro_batches"], max_steps=10**9, optimizer="adamw",
+        lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
+        compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
+        record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
+    engine = Engine(model, cfg, loss_fn=hf_lm_loss)
+    engine.comm.barrier()
+    tx0, t0 = tx_bytes(), time.perf_counter()
+    bytes0 = engine.comm.bytes_sent
+    snaps = Snapshots(spec["eval_points"], t0)
+    budget = spec["samples"]
+    state = {"seen": 0, "samples": 0}
+
+    def on_new_steps() -> bool:
+        """Called by the compute side between micro-batches; True once the budget is spent."""
+        h = engine.history
+        if len(h) != state["seen"]:
+            state["samples"] += sum(e["samples"] for e in h[state["seen"]:])
+            state["seen"] = len(h)
+            # the last finished round was a commit (the step was just recorded): the model
+            # holds the committed parameters
+            snaps.maybe(model, state["samples"], len(h), force=state["samples"] >= budget)
+        return state["samples"] >= budget
+
+    def budgeted():
+        # every rank sees the same history (the counts are all-reduced) at the same round
+        # boundary, so all ranks stop in the same round
+        for batch in stream.iter_from(0):
+            if on_new_steps():
+                return
+            yield batch
+
+    try:
+        engine.fit(budgeted())
+        t_end = time.perf_counter()
+        tx1 = tx_bytes()
+        accounted = engine.comm.bytes_sent - bytes0
+        last_kind = engine.plan.kind(engine.round_index - 1)
+        if last_kind is RoundKind.COMMIT and len(engine.history) > state["seen"]:
+            state["samples"] += sum(e["samples"] for e in engine.history[state["seen"]:])
+            state["seen"] = len(engine.history)
+            snaps.maybe(model, state["samples"], len(engine.history), force=True)
+        engine.comm.barrier()
+    finally:
+        engine.close()
+    evals = snaps.evaluate(model, held, rank, world)
+    timeline = [(ph, r, a - t0, b - t0, idx) for ph, r, a, b, idx in engine.timeline]
+    return {"history": engine.history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
+            "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
+            "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
+            "padded_params": engine.flat.padded}
+
+
+def main() -> None:
+    t_init = time.perf_counter()
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(1)
+    torch.manual_seed(spec["seed"])
+    if spec["role"] == "compute":
+        result = run_compute(spec)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if spec["mode"] in DDP_MODES:
+            from datetime import timedelta
+
+            dist.init_process_group("gloo", init_method="env://",
+                                    timeout=timedelta(seconds=spec["timeout_s"]))
+            try:
+                result = run_ddp(spec, rank, world, t_init)
+            finally:
+                dist.destroy_process_group()
+        elif spec["mode"] in ENGINE_MODES:
+            result = run_engine(spec, rank, world, t_init)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        else:
+            raise SystemExit(f"unknown mode {spec['mode']!r}: choose from {', '.join(ALL_MODES)}")
+        result["rank"] = rank
+    result["mode"] = spec.get("mode")
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out_path)
+
+
+if __name__ == "__main__":
+    main()
