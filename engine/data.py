@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -392,7 +393,7 @@ def tokenize_documents(
 
 def _check_shape_args(seq_len: int, micro_batch_size: int) -> None:
     for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -458,13 +459,14 @@ class TokenBatches:
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.tokens = _as_stream(tokens)
-        self.seq_len = seq_len
-        self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
+        self.seq_len = int(seq_len)
+        self.micro_batch_size = int(micro_batch_size)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
         self.seed = int(seed)
         self.label_mode = label_mode
 
+        seq_len, micro_batch_size = self.seq_len, self.micro_batch_size
         n = self.tokens.numel()
         # windows start at offset + i * seq_len with offset < seq_len, so this many always fit
         self.windows_per_epoch = max(n - seq_len, 0) // seq_len
