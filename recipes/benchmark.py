@@ -257,6 +257,7 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
         "history": [{k: h[k] for k in ("step", "loss", "samples", "global_micro_batches", "wire_bytes", "time_s")}
                     for h in hist],
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
+        "engine_patch": r0.get("engine_patch"),
     }
 
 
@@ -361,7 +362,7 @@ def fmt(x, spec=".2f", none="-"):
 
 
 def table(rows: list[dict]) -> str:
-    head = ["mode", "lr", "step s (med)", "samples/s", "vs acc1", "eff.", "global mb/step",
+    head = ["mode", "lr", "samples", "step s (med)", "samples/s", "vs acc1", "eff.", "global mb/step",
             "MB/step (mode)", "MB/step (tx)", "tx/mode", "held-out loss", "time to target s", "vs acc1",
             "reached"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -370,7 +371,7 @@ def table(rows: list[dict]) -> str:
         spread = "" if ttt is None or o["time_to_target_min_s"] == o["time_to_target_max_s"] else \
             f" [{o['time_to_target_min_s']:.0f}-{o['time_to_target_max_s']:.0f}]"
         lines.append("| " + " | ".join([
-            o["mode"], f"{o['lr']:g}", fmt(o["step_time_median_s"]), fmt(o["samples_per_s"]),
+            o["mode"], f"{o['lr']:g}", fmt(o["samples"], ".0f"), fmt(o["step_time_median_s"]), fmt(o["samples_per_s"]),
             fmt(o["samples_per_s_vs_ref"]), fmt(o["throughput_efficiency"]),
             fmt(o["global_micro_batches_per_step"], ".1f"),
             fmt(o["wire_bytes_per_step_engine"] and o["wire_bytes_per_step_engine"] / 1e6),
@@ -557,6 +558,9 @@ def main(argv=None) -> int:
         plot_loss(rows, args.plot)
     if args.timeline and runs:
         plot_timeline(runs, args.modes, args.timeline)
+    patches = sorted({r["engine_patch"] for r in runs if r.get("engine_patch")})
+    for note in patches:
+        print(f"\nnote: {note}")
     bad_ratio = [o["mode"] for o in rows if o["tx_over_engine_max_dev"] is not None and o["tx_over_engine_max_dev"] > 0.10]
     if bad_ratio:
         print(f"\nwarning: interface tx_bytes and accounted wire bytes differ by more than 10% for {bad_ratio}",

@@ -1,4 +1,5 @@
-"""Smoke test of recipes/benchmark.py: a tiny model, 2 workers on 1 Gbit/s links, two modes.
+"""Smoke test of recipes/benchmark.py: a small model (2 x 128, big enough that payload, not
+per-packet headers, dominates the tx counters), 2 workers on 1 Gbit/s links, two modes.
 
 Needs root (the testbed builds network namespaces); skipped with the testbed's reason otherwise.
 Checks the exit status, the JSON fields, that the wire bytes each mode accounts for agree with
@@ -35,7 +36,7 @@ def test_benchmark_smoke(tmp_path):
     out_json, plot, timeline = tmp_path / "b.json", tmp_path / "loss.png", tmp_path / "timeline.png"
     argv = [sys.executable, SCRIPT, "--workers", "2", "--rate", "1gbit",
             "--modes", "torch-ddp-acc1,acco+loco4", "--seeds", "1", "--samples", "64",
-            "--micro-batch", "4", "--seq-len", "32", "--n-layer", "2", "--n-embd", "64", "--n-head", "4",
+            "--micro-batch", "4", "--seq-len", "32", "--n-layer", "2", "--n-embd", "128", "--n-head", "4",
             "--eval-points", "2", "--eval-batches", "2", "--compute-micro-batches", "1",
             "--prefix", f"bs{os.getpid() % 100000}",
             "--json", str(out_json), "--plot", str(plot), "--timeline", str(timeline)]
