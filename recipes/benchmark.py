@@ -258,7 +258,24 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
                     for h in hist],
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
         "engine_patch": r0.get("engine_patch"),
+        **phase_summary(res),
     }
+
+
+def phase_summary(res: list[dict]) -> dict:
+    """Where the time goes: median duration per phase, and how busy each worker's compute was."""
+    durations: dict[str, list[float]] = {}
+    busy = []
+    for r in res:
+        compute = 0.0
+        for ph, _, a, b, _ in r["timeline"]:
+            durations.setdefault(ph, []).append(b - a)
+            if ph.startswith("compute"):
+                compute += b - a
+        busy.append(compute / r["train_s"] if r["train_s"] else None)
+    return {"phase_median_s": {ph: statistics.median(v) for ph, v in durations.items()},
+            "phase_total_s": {ph: sum(v) / len(res) for ph, v in durations.items()},
+            "compute_busy_per_rank": busy}
 
 
 def shift_timeline(r: dict, r0: dict) -> list:
@@ -343,6 +360,9 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
             "time_to_target_max_s": max(reached) if reached else None,
             "time_to_target_per_seed": ttt,
             "reached_target": f"{len(reached)}/{len(rs)}",
+            "phase_median_s": rs[0].get("phase_median_s"),
+            "compute_busy": statistics.median(statistics.fmean(x for x in r["compute_busy_per_rank"] if x is not None)
+                                              for r in rs) if all(r.get("compute_busy_per_rank") for r in rs) else None,
             "evals": [r["evals"] for r in rs],
             "runs": [{k: v for k, v in r.items() if k not in ("timeline", "history")} for r in runs
                      if r["mode"] == mode],
