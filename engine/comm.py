@@ -106,11 +106,12 @@ class Comm:
             rows = out.view(n, size)
             works = []
             for a, b in bounds:
-                recv = torch.empty((n, b - a), dtype=out.dtype, device=out.device)
+                # gloo wants a flat receive buffer (a [n, k] one is refused)
+                recv = torch.empty(n * (b - a), dtype=out.dtype, device=out.device)
                 works.append((a, b, recv, _all_gather_single(recv, shard[a:b].contiguous(), async_op=True)))
             for a, b, recv, work in works:
                 work.wait()
-                rows[:, a:b].copy_(recv)
+                rows[:, a:b].copy_(recv.view(n, b - a))
         self.bytes_sent += (n - 1) * size * shard.element_size()  # a ring sends N-1 pieces
         return out
 
