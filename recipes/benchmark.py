@@ -470,12 +470,14 @@ def plot_timeline(runs: list[dict], modes: list[str], path: str, n_steps: int = 
                 continue
             comm = ph in ("reduce_scatter", "optimizer", "all_gather") and r["mode"] in ENGINE_MODES
             y = rank * 2 + (0 if comm else 1)
-            ax.broken_barh([(a, b - a)], (y - 0.4, 0.8), color=PHASE_COLORS.get(ph, "grey"))
+            ax.broken_barh([(a, b - a)], (y - 0.4, 0.8), facecolor=PHASE_COLORS.get(ph, "grey"),
+                           edgecolor="white", linewidth=0.4)
         ax.set_xlim(start, stop)
         ax.set_yticks([w * 2 + k for w in workers for k in (0, 1)])
         ax.set_yticklabels([f"w{w} {'comm' if k == 0 else 'compute'}" for w in workers for k in (0, 1)], fontsize=7)
+        note = " (DDP: the all-reduce runs inside the synchronised backward)" if r["mode"] in DDP_MODES else ""
         ax.set_title(f"{r['mode']} (seed {r['seed']}, lr {r['lr']:g}): steps "
-                     f"{(2 if start else 1)}-{stop_i + 1}", fontsize=9)
+                     f"{(2 if start else 1)}-{stop_i + 1}{note}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("wall time since start (s)")
     fig.legend(handles=[Patch(color=c, label=k) for k, c in PHASE_COLORS.items()], loc="upper right",
