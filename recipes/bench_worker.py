@@ -114,49 +114,6 @@ class Snapshots:
         return out
 
 
-def ensure_chunked_all_gather(comm) -> str | None:
-    """Probe the engine's chunked all-gather; if gloo refuses it, fix this Comm instance.
-
-    engine/comm.py (da1e03b) hands gloo's all_gather_single a 2-D (world, piece) receive buffer
-    per chunk, which torch 2.13's gloo rejects ("invalid tensor size ... expected (k), got
-    (1, k)"), so every engine mode with comm_chunks > 1 fails in its first round. The size
-    check fails the same way on every rank before anything is sent, so all ranks take the same
-    branch. The replacement moves exactly the same bytes (flat receive buffer per chunk) and is
-    installed on this worker's Comm only; the result records that it was used. Returns a note
-    or None when the engine's own path works.
-    """
-    from engine.comm import Comm, _all_gather_single, _chunk_bounds
-
-    n = comm.world_size
-    if n == 1 or comm.chunks == 1:
-        return None
-    try:
-        Comm(comm.rank, n, 2).all_gather(torch.zeros(4), torch.empty(4 * n))
-        return None
-    except RuntimeError as e:
-        if "invalid tensor size" not in str(e):
-            raise
-        reason = str(e).splitlines()[0]
-
-    def all_gather(shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        size = shard.numel()
-        bounds = _chunk_bounds(size, comm.chunks)
-        rows = out.view(n, size)
-        works = []
-        for a, b in bounds:
-            recv = torch.empty(n * (b - a), dtype=out.dtype, device=out.device)
-            works.append((a, b, recv, _all_gather_single(recv, shard[a:b].contiguous(), async_op=True)))
-        for a, b, recv, work in works:
-            work.wait()
-            rows[:, a:b].copy_(recv.view(n, b - a))
-        comm.bytes_sent += (n - 1) * size * shard.element_size()
-        return out
-
-    comm.all_gather = all_gather
-    return ("engine Comm.all_gather with comm_chunks > 1 fails on this torch/gloo (" + reason +
-            "); the benchmark used a flat-receive-buffer replacement that sends the same bytes")
-
-
 def run_compute(spec: dict) -> dict:
     """fwd+bwd of ``compute_micro_batches`` micro-batches at world size 1, no optimizer, no comm."""
     from engine.data import hf_lm_loss
@@ -272,7 +229,6 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
         compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
         record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
-    patch_note = ensure_chunked_all_gather(engine.comm)
     engine.comm.barrier()
     tx0, t0 = tx_bytes(), time.perf_counter()
     bytes0 = engine.comm.bytes_sent
@@ -317,7 +273,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     return {"history": engine.history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
             "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
             "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
-            "padded_params": engine.flat.padded, "engine_patch": patch_note}
+            "padded_params": engine.flat.padded}
 
 
 def main() -> None:

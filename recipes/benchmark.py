@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heldout", default="hamlet")
     ap.add_argument("--compute-micro-batches", type=int, default=6,
                     help="timed fwd+bwd per worker for the compute-only ceiling")
+    ap.add_argument("--no-compute-at-end", action="store_true",
+                    help="skip the second compute-only measurement after the last run (it tracks load drift)")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
     ap.add_argument("--workdir", default=None, help="specs, outputs and worker logs (default: a temp dir)")
     ap.add_argument("--keep-workdir", action="store_true")
@@ -257,7 +259,6 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
         "history": [{k: h[k] for k in ("step", "loss", "samples", "global_micro_batches", "wire_bytes", "time_s")}
                     for h in hist],
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
-        "engine_patch": r0.get("engine_patch"),
         **phase_summary(res),
     }
 
@@ -553,7 +554,8 @@ def main(argv=None) -> int:
                             f"{fmt(run['final_loss'], '.3f')}, tx/mode {run['tx_over_engine_per_rank']}, "
                             f"run {time.monotonic() - t:.0f} s")
                         write_outputs(args, runs, compute_rates, final=False)
-            compute_rates.append(compute_only(tb, args, workdir, "end"))
+            if not args.no_compute_at_end:
+                compute_rates.append(compute_only(tb, args, workdir, "end"))
     except TestbedError as e:
         print(f"error: testbed: {e}", file=sys.stderr)
         return 2
@@ -580,9 +582,6 @@ def main(argv=None) -> int:
         plot_loss(rows, args.plot)
     if args.timeline and runs:
         plot_timeline(runs, args.modes, args.timeline)
-    patches = sorted({r["engine_patch"] for r in runs if r.get("engine_patch")})
-    for note in patches:
-        print(f"\nnote: {note}")
     bad_ratio = [o["mode"] for o in rows if o["tx_over_engine_max_dev"] is not None and o["tx_over_engine_max_dev"] > 0.10]
     if bad_ratio:
         print(f"\nwarning: interface tx_bytes and accounted wire bytes differ by more than 10% for {bad_ratio}",

@@ -37,7 +37,7 @@ def test_benchmark_smoke(tmp_path):
     argv = [sys.executable, SCRIPT, "--workers", "2", "--rate", "1gbit",
             "--modes", "torch-ddp-acc1,acco+loco4", "--seeds", "1", "--samples", "64",
             "--micro-batch", "4", "--seq-len", "32", "--n-layer", "2", "--n-embd", "128", "--n-head", "4",
-            "--eval-points", "2", "--eval-batches", "2", "--compute-micro-batches", "1",
+            "--eval-points", "2", "--eval-batches", "2", "--compute-micro-batches", "1", "--no-compute-at-end",
             "--prefix", f"bs{os.getpid() % 100000}",
             "--json", str(out_json), "--plot", str(plot), "--timeline", str(timeline)]
     cp = subprocess.run(argv, capture_output=True, text=True, timeout=115, cwd=REPO)
