@@ -2,6 +2,15 @@
 
 Runs on the comm thread (CPU) or the comm stream (CUDA). The math it calls lives in
 ``acco_loco``; this file only moves tensors between workers and keeps per-round bookkeeping.
+
+Where the strategies still to come plug in (none of zero1/dpu/acco changes):
+- 1-bit Adam: after its warmup a round sends the worker's compressed momentum instead of the
+  gradient. That is a different "what to send" (before the reduce) and "how to apply" (frozen
+  variance) around the same reduce -> step -> gather skeleton: a RoundPlan kind of its own and a
+  branch at the two marked places below.
+- SparseLoCo / DiLoCo: the compute side takes H local optimizer steps between rounds and a round
+  carries the pseudo-gradient theta_sync - theta_local. The compute loop (engine.py) gets a
+  local-step hook; the round reuses the compressed all_to_all with top-k payloads.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
     full = flat.grads[req.grad_index]
 
     t = time.perf_counter()
+    # [what to send] gradient sum of this worker's micro-batches
     local_bad = not bool(torch.isfinite(full).all())
     if engine.grad_codec is not None:
         grad_sum = engine.grad_codec.reduce_scatter(comm, full, req.count, finite=not local_bad)
@@ -98,6 +108,7 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
     lr = lr_at(req.step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     grad_norm = math.sqrt(sq_norm) / count if count and not nonfinite else float("nan")
     state = engine.shard_state
+    # [how to apply] the shard optimizer; commit writes state, estimate does not
     if nonfinite or empty:
         new_shard = state.master
     else:
