@@ -70,12 +70,11 @@ class KeptHalf:
     samples: int = 0
 
 
-def step_gradient(kind: RoundKind, grad_sum: torch.Tensor, count: int,
-                  kept: KeptHalf | None) -> tuple[torch.Tensor, int]:
-    """Sum and count of the gradient a round's optimizer step uses.
+def step_gradient(kind: RoundKind, grad_sum: torch.Tensor, kept: KeptHalf | None) -> torch.Tensor:
+    """Gradient sum a round's optimizer step uses (its count adds ``kept.count`` likewise).
 
     An ACCO commit adds the kept estimate half; every other round uses its own sum alone.
     """
     if kind is RoundKind.COMMIT and kept is not None:
-        return grad_sum + kept.grad_sum, count + kept.count
-    return grad_sum, count
+        return grad_sum + kept.grad_sum
+    return grad_sum

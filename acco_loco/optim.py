@@ -12,7 +12,7 @@ float rounding order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,6 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor | None = None
     step: int = 0
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def create(cls, master: torch.Tensor, spec: OptimizerSpec) -> "ShardState":
@@ -69,7 +68,6 @@ class ShardState:
         out = {"master": self.master, "exp_avg": self.exp_avg}
         if self.exp_avg_sq is not None:
             out["exp_avg_sq"] = self.exp_avg_sq
-        out.update({f"extra.{k}": v for k, v in self.extra.items()})
         return out
 
 

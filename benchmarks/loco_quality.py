@@ -58,7 +58,6 @@ class QualityConfig:
 
 
 def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
-    import torch
 
     from engine import Engine, EngineConfig
     from engine.data import (ByteTokenizer, TokenBatches, eval_batches, eval_loss, hf_lm_loss,

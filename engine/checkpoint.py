@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from acco_loco.acco import KeptHalf
@@ -174,11 +174,9 @@ def _restore_rank_state(engine, file: Path) -> None:
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: the checkpoint is incomplete, use an earlier one")
     try:
-        tensors = load_file(str(file))
-        from safetensors import safe_open
-
         with safe_open(str(file), "pt") as f:
             meta = json.loads(f.metadata()["engine"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file} is corrupt or unreadable ({exc}): use an earlier checkpoint") from exc
     flat = engine.flat

@@ -102,10 +102,6 @@ class CompressedGrads:
             out.add_(part, alpha=w)
         return out
 
-    def wire_bytes_per_round(self, numel: int) -> int:
-        n = self.world
-        return (n - 1) * (self.codec.wire_bytes(numel) // n + 4)
-
 
 class CompressedParams:
     """The delta all-gather of new parameter shards against what every replica holds."""

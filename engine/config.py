@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from acco_loco.acco import PLANS
 from acco_loco.optim import OptimizerSpec
@@ -67,8 +67,6 @@ class EngineConfig:
     progress: bool = False  # a progress bar on rank 0
     record_timeline: bool = False  # per-round timestamps in engine.timeline
     poison_freed_buffers: bool = False  # debug: NaN-fill gradient buffers once released
-
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()

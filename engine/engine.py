@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .flat import FlatParams
 from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
 from .streams import CommWorker, RoundHandle
-from .watchdog import Watchdog, WorkerLostError
+from .watchdog import Watchdog
 
 log = logging.getLogger("acco_loco")
 

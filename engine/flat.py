@@ -65,6 +65,3 @@ class FlatParams:
 
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
-
-    def named_views(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: tensor[a:b].view(p.shape) for n, p, (a, b) in zip(self.names, self.params, self.offsets)}

@@ -80,7 +80,7 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
 
     t = time.perf_counter()
     kept = engine._kept if req.kind is RoundKind.COMMIT else None
-    step_sum, _ = step_gradient(req.kind, grad_sum, 0, kept)
+    step_sum = step_gradient(req.kind, grad_sum, kept)
     # one small all-reduce carries counts, loss, the squared norm and every rank's flags
     small = torch.zeros(4 + 2 * n, dtype=torch.float64, device=full.device)
     small[0] = req.count

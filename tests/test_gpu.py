@@ -3,7 +3,6 @@ done (freed buffers are poisoned with NaN), bf16 compute params with an fp32 mas
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
