@@ -27,6 +27,9 @@ class EngineConfig:
     micro_batches: int = 1  # per round ("fixed") or the minimum per round ("adaptive")
     accumulation: str = "adaptive"  # adaptive | fixed
     max_micro_batches: int | None = None  # adaptive: cap per round (keeps the batch small)
+    # adaptive, CPU: raise the minimum per round so that the comm side's CPU per round stays
+    # below this fraction of the round's compute (engine/pacing.py); 0 = off
+    max_round_overhead: float = 0.15
     max_steps: int = 1000  # committed optimizer steps
 
     # optimizer (one flat fp32 shard per worker)
@@ -67,6 +70,7 @@ class EngineConfig:
     progress: bool = False  # a progress bar on rank 0
     record_timeline: bool = False  # per-round timestamps in engine.timeline
     poison_freed_buffers: bool = False  # debug: NaN-fill gradient buffers once released
+    keep_cpu_memory: bool = True  # CPU: glibc keeps freed memory (engine/cpu_memory.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +89,10 @@ class EngineConfig:
             if self.max_micro_batches < self.micro_batches:
                 raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
                                  f"({self.micro_batches}): raise it or lower micro_batches")
+        if isinstance(self.max_round_overhead, bool) or not isinstance(self.max_round_overhead, (int, float)) \
+                or not 0 <= self.max_round_overhead < 1:
+            raise ValueError(f"max_round_overhead must be a fraction in [0, 1) (0 turns it off), "
+                             f"got {self.max_round_overhead!r}")
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

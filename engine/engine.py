@@ -27,7 +27,9 @@ from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
 from .compressed import build_codecs
 from .config import EngineConfig
+from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
+from .pacing import Pacer
 from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
 from .streams import CommWorker, RoundHandle
 from .watchdog import Watchdog
@@ -86,6 +88,8 @@ class Engine:
         device = named[0][1].device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        elif cfg.keep_cpu_memory:
+            keep_freed_memory()  # before the process group and the comm thread start
         rank, world = init_process_group(device, cfg.timeout_s)
         self.comm = Comm(rank, world, cfg.comm_chunks)
         self.device = device
@@ -130,6 +134,12 @@ class Engine:
         self.history: list[dict] = []
         self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
         self.timeline: list[tuple] = []
+        # adaptive on CPU with overlap: the comm side's CPU per round sets a floor on the
+        # micro-batches per round (zero1 has nothing to overlap: adaptive is fixed there)
+        paced = cfg.accumulation == "adaptive" and device.type == "cpu" and self.plan.overlap
+        self.pacer = Pacer(cfg.max_round_overhead if paced else 0.0, cfg.micro_batches, cfg.max_micro_batches)
+        self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
+        self._cpu_mark = (time.process_time(), time.thread_time())
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -198,7 +208,7 @@ class Engine:
         cfg = self.cfg
         fixed = cfg.accumulation == "fixed"
         while True:
-            if self._count >= cfg.micro_batches:
+            if self._count >= (cfg.micro_batches if fixed else self.pacer.current):
                 if fixed or self._inflight is None:
                     return False
                 if cfg.max_micro_batches is not None and self._count >= cfg.max_micro_batches:
@@ -226,8 +236,10 @@ class Engine:
         self._samples += batch_size(batch)
         self._loss_sum += loss.detach().float()
         self.consumed += 1
+        t1 = time.perf_counter()
+        self.pacer.on_micro_batch(t1 - t0)
         if self.cfg.record_timeline:
-            self.timeline.append(("compute", self.rank, t0, time.perf_counter(), self.round_index))
+            self.timeline.append(("compute", self.rank, t0, t1, self.round_index))
 
     def _boundary(self, exhausted: bool) -> bool:
         """Finish the round in flight, submit the next; True when training must stop."""
@@ -275,6 +287,13 @@ class Engine:
             raise self.watchdog.diagnose(f"round {handle.index} on rank {self.rank}") from exc
         with torch.no_grad():
             self.flat.data.copy_(self.gather_buf)
+        # what the other threads (comm, gloo) used since the last round ended: on CPU it is
+        # taken from the compute side's cores
+        proc, main = time.process_time(), time.thread_time()
+        comm_cpu = max(0.0, (proc - self._cpu_mark[0]) - (main - self._cpu_mark[1]))
+        self._cpu_mark = (proc, main)
+        self.comm_cpu_s.append(comm_cpu)
+        self.pacer.on_round(comm_cpu)
         self._step_rounds += 1
         self._step_local += result.local_count
         self._step_bytes += result.bytes_sent
@@ -296,6 +315,7 @@ class Engine:
             "micro_batches": self._step_local, "global_micro_batches": result.count,
             "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
             "skipped": result.skipped, "rounds": self._step_rounds,
+            "min_micro_batches": self.pacer.current,
         }
         if result.skipped:
             log.warning("step %d skipped: non-finite gradient from rank(s) %s", self.step, result.bad_ranks)

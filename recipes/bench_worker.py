@@ -60,6 +60,27 @@ def tx_bytes() -> int | None:
         return int(f.read())
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) per thread name of this process, from /proc: where the
+    worker's core went (the training loop, the engine's comm thread, gloo's threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - a.get(k, 0.0), 3) for k, v in b.items() if v - a.get(k, 0.0) > 0}
+
+
 def build_data(spec: dict, rank: int, world: int):
     from engine.data import (ByteTokenizer, TokenBatches, eval_batches, load_text_documents,
                              split_heldout, tokenize_documents)
@@ -165,7 +186,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     steps = math.ceil(spec["samples"] / per_step_samples)
 
     dist.barrier()
-    tx0, t0 = tx_bytes(), time.perf_counter()
+    tx0, t0, cpu0 = tx_bytes(), time.perf_counter(), thread_cpu_seconds()
     hook_bytes[0] = 0
     snaps = Snapshots(spec["eval_points"], t0)
     history, timeline = [], []
@@ -200,7 +221,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
         t_step = now
         snaps.maybe(model, samples, step, force=step == steps)
     t_end = time.perf_counter()
-    tx1 = tx_bytes()
+    tx1, cpu1 = tx_bytes(), thread_cpu_seconds()
     if psgd_rank is None:
         accounted = per_sync * steps
     else:
@@ -212,7 +233,8 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     evals = snaps.evaluate(model, held, rank, world)
     return {"history": history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
             "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
-            "tx_bytes": None if tx0 is None else tx1 - tx0, "bucket_bytes": bucket_bytes}
+            "tx_bytes": None if tx0 is None else tx1 - tx0, "bucket_bytes": bucket_bytes,
+            "thread_cpu_s": cpu_delta(cpu0, cpu1)}
 
 
 def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
@@ -230,7 +252,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
         record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
     engine.comm.barrier()
-    tx0, t0 = tx_bytes(), time.perf_counter()
+    tx0, t0, cpu0 = tx_bytes(), time.perf_counter(), thread_cpu_seconds()
     bytes0 = engine.comm.bytes_sent
     snaps = Snapshots(spec["eval_points"], t0)
     budget = spec["samples"]
@@ -258,7 +280,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     try:
         engine.fit(budgeted())
         t_end = time.perf_counter()
-        tx1 = tx_bytes()
+        tx1, cpu1 = tx_bytes(), thread_cpu_seconds()
         accounted = engine.comm.bytes_sent - bytes0
         last_kind = engine.plan.kind(engine.round_index - 1)
         if last_kind is RoundKind.COMMIT and len(engine.history) > state["seen"]:
@@ -273,6 +295,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     return {"history": engine.history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
             "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
             "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
+            "thread_cpu_s": cpu_delta(cpu0, cpu1),
             "padded_params": engine.flat.padded}
 
 

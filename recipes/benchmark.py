@@ -253,6 +253,7 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
         "accounted_bytes_per_rank": [r["accounted_bytes"] for r in res],
         "tx_bytes_per_rank": [r.get("tx_bytes") for r in res],
         "tx_over_engine_per_rank": ratios,
+        "thread_cpu_s_per_rank": [r.get("thread_cpu_s") for r in res],
         "micro_batches_per_rank": [sum(h["micro_batches"] for h in r["history"]) for r in res],
         "evals": evals,
         "final_loss": evals[-1]["loss"] if evals else None,

@@ -79,6 +79,8 @@ class FinetuneConfig:
     micro_batch_size: int = 4
     seq_len: int = 128
     micro_batches: int = 1
+    max_micro_batches: int = 0  # adaptive: cap per round (0: no cap)
+    max_round_overhead: float = 0.15  # adaptive on CPU: comm-side CPU per round <= this x compute
     train_layers: int = 4  # top N transformer blocks trainable (plus the final norm)
     output_dir: str = "runs/finetune"
     resume: bool = False
@@ -119,7 +121,8 @@ def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path) -> En
         return EngineConfig(
             strategy=cfg.strategy, codec=cfg.codec, param_codec=cfg.param_codec,
             compute_dtype=compute_dtype, accumulation=cfg.accumulation,
-            micro_batches=cfg.micro_batches, max_steps=cfg.max_steps, lr=cfg.lr,
+            micro_batches=cfg.micro_batches, max_micro_batches=cfg.max_micro_batches or None,
+            max_round_overhead=cfg.max_round_overhead, max_steps=cfg.max_steps, lr=cfg.lr,
             lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
             timeout_s=cfg.timeout_s, heartbeat_s=min(1.0, cfg.timeout_s / 3),
             checkpoint_dir=str(ckpt_dir), checkpoint_every=cfg.checkpoint_every, progress=True)
