@@ -210,6 +210,8 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
             timeline.append(("compute+allreduce" if sync else "compute", rank, t - t0,
                              time.perf_counter() - t0, step))
         t = time.perf_counter()
+        if spec["max_grad_norm"]:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), spec["max_grad_norm"])
         opt.step()
         opt.zero_grad(set_to_none=False)
         now = time.perf_counter()
@@ -249,6 +251,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
         max_micro_batches=spec["max_micro_batches"], max_steps=10**9, optimizer="adamw",
         lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
         compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
+        max_grad_norm=spec["max_grad_norm"] or None, max_round_overhead=spec["max_round_overhead"],
         record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
     engine.comm.barrier()
@@ -295,6 +298,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     return {"history": engine.history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
             "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
             "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
+            "comm_cpu_s": engine.comm_cpu_s,
             "thread_cpu_s": cpu_delta(cpu0, cpu1),
             "padded_params": engine.flat.padded}
 

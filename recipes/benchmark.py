@@ -61,6 +61,10 @@ WORKER = os.path.join(REPO, "recipes", "bench_worker.py")
 HETERO_MODES = ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                 "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4")
 REFERENCE = "torch-ddp-acc1"
+# Every worker, DDP and compute-only included, runs with the malloc settings the engine applies to
+# itself on CPU (engine/cpu_memory.py): they take ~11% off a forward+backward too, so leaving
+# them to the engine alone would not be a like-for-like comparison.
+SAME_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_MAX_": "0"}
 
 
 def log(msg: str) -> None:
@@ -88,6 +92,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lr-sweep", action="store_true",
                     help="run each mode at lr x 0.5, 1, 2 and keep its best (median final held-out loss)")
+    ap.add_argument("--sweep-seeds", type=int, default=None,
+                    help="with --lr-sweep: sweep on the first K seeds only, run the other seeds at each "
+                    "mode's best lr (default: every seed at every lr)")
+    ap.add_argument("--lr-from", default=None, metavar="JSON",
+                    help="each mode's lr from an earlier benchmark JSON (its swept best); modes not in it use --lr")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="global gradient-norm clipping for every mode (0: off)")
+    ap.add_argument("--max-round-overhead", type=float, default=0.15,
+                    help="engine modes: comm-side CPU per round at most this fraction of its compute "
+                    "(sets the minimum micro-batches per round; 0: off)")
     ap.add_argument("--hetero", action="store_true",
                     help="3 workers: two pinned to core 0, one alone on core 1")
     ap.add_argument("--target-loss", type=float, default=None,
@@ -135,7 +149,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.samples < a.workers * a.micro_batch:
         ap.error(f"--samples must be at least one micro-batch per worker ({a.workers * a.micro_batch})")
     a.lrs = [a.lr * f for f in (0.5, 1.0, 2.0)] if a.lr_sweep else [a.lr]
+    if a.lr_sweep and a.lr_from:
+        ap.error("--lr-sweep and --lr-from exclude each other")
+    if a.sweep_seeds is not None and not 1 <= a.sweep_seeds <= a.seeds:
+        ap.error(f"--sweep-seeds must lie in [1, --seeds={a.seeds}]")
+    a.mode_lr = {}
+    if a.lr_from:
+        try:
+            with open(a.lr_from) as f:
+                a.mode_lr = {o["mode"]: o["lr"] for o in json.load(f)["modes"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--lr-from {a.lr_from}: not a benchmark JSON ({e})")
     return a
+
+
+def runs_for_seed(args, seed: int, done: list[dict]) -> list[tuple[float, str]]:
+    """(lr, mode) pairs for one seed: every lr while sweeping; after --sweep-seeds, each mode's best."""
+    if args.mode_lr:
+        return [(args.mode_lr.get(m, args.lr), m) for m in args.modes]
+    if not args.lr_sweep or args.sweep_seeds is None or seed < args.sweep_seeds:
+        return [(lr, m) for lr in args.lrs for m in args.modes]
+    out = []
+    for m in args.modes:
+        by_lr: dict[float, list[float]] = {}
+        for r in done:
+            if r["mode"] == m and r["final_loss"] is not None:
+                by_lr.setdefault(r["lr"], []).append(r["final_loss"])
+        best = min(by_lr, key=lambda lr: statistics.median(by_lr[lr])) if by_lr else args.lr
+        out.append((best, m))
+    return out
 
 
 def cpu_for(args, rank: int) -> str:
@@ -158,7 +200,8 @@ def base_spec(args, seed: int) -> dict:
     return {
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
         "micro_batch": args.micro_batch, "seed": seed, "heldout": args.heldout,
-        "eval_batches": args.eval_batches, "timeout_s": 300.0,
+        "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
+        "max_round_overhead": args.max_round_overhead,
     }
 
 
@@ -169,7 +212,7 @@ def launch(tb, args, spec: dict, name: str, workdir: str, port: int | None) -> l
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = {"WORLD_SIZE": str(args.workers), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
+           "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", **SAME_MALLOC}
     if port is not None:
         env["MASTER_PORT"] = str(port)
     for r in range(args.workers):
@@ -254,6 +297,8 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
         "tx_bytes_per_rank": [r.get("tx_bytes") for r in res],
         "tx_over_engine_per_rank": ratios,
         "thread_cpu_s_per_rank": [r.get("thread_cpu_s") for r in res],
+        "min_micro_batches_median": statistics.median(h.get("min_micro_batches", 0) for h in hist) if hist else None,
+        "comm_cpu_s_per_round": statistics.median(r0["comm_cpu_s"][1:]) if len(r0.get("comm_cpu_s") or []) > 1 else None,
         "micro_batches_per_rank": [sum(h["micro_batches"] for h in r["history"]) for r in res],
         "evals": evals,
         "final_loss": evals[-1]["loss"] if evals else None,
@@ -312,6 +357,8 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
         by_mode.setdefault(r["mode"], {}).setdefault(r["lr"], []).append(r)
 
     def score(rs):
+        if args.lr_sweep and args.sweep_seeds is not None:  # only the seeds every lr ran on
+            rs = [r for r in rs if r["seed"] < args.sweep_seeds]
         losses = [r["final_loss"] for r in rs if r["final_loss"] is not None]
         return statistics.median(losses) if losses else float("inf")
 
@@ -347,6 +394,8 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
             "step_time_median_s": med("step_time_median_s"),
             "samples_per_s": sps,
             "global_micro_batches_per_step": med("global_micro_batches_median"),
+            "min_micro_batches_per_round": med("min_micro_batches_median") if mode in ENGINE_MODES else None,
+            "comm_cpu_s_per_round": med("comm_cpu_s_per_round") if mode in ENGINE_MODES else None,
             "global_micro_batches_per_step_mean": med("global_micro_batches_mean"),
             "global_batch_samples": (med("global_micro_batches_mean") or 0) * args.micro_batch,
             "wire_bytes_per_step_engine": med("wire_bytes_per_step_engine"),
@@ -384,7 +433,7 @@ def fmt(x, spec=".2f", none="-"):
 
 
 def table(rows: list[dict]) -> str:
-    head = ["mode", "lr", "samples", "step s (med)", "samples/s", "vs acc1", "eff.", "global mb/step",
+    head = ["mode", "lr", "samples", "step s (med)", "samples/s", "vs acc1", "eff.", "global mb/step", "min mb/round",
             "MB/step (mode)", "MB/step (tx)", "tx/mode", "held-out loss", "time to target s", "vs acc1",
             "reached"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -395,13 +444,49 @@ def table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             o["mode"], f"{o['lr']:g}", fmt(o["samples"], ".0f"), fmt(o["step_time_median_s"]), fmt(o["samples_per_s"]),
             fmt(o["samples_per_s_vs_ref"]), fmt(o["throughput_efficiency"]),
-            fmt(o["global_micro_batches_per_step"], ".1f"),
+            fmt(o["global_micro_batches_per_step"], ".1f"), fmt(o["min_micro_batches_per_round"], ".0f"),
             fmt(o["wire_bytes_per_step_engine"] and o["wire_bytes_per_step_engine"] / 1e6),
             fmt(o["wire_bytes_per_step_tx"] and o["wire_bytes_per_step_tx"] / 1e6),
             fmt(o["tx_over_engine"], ".3f"), fmt(o["final_heldout_loss"], ".3f"),
             (fmt(ttt, ".0f") + spread) if ttt is not None else "not reached",
             fmt(o["time_to_target_vs_ref"]), o["reached_target"]]) + " |")
     return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> str:
+    """The issue's comparisons, computed from the table (medians over seeds)."""
+    by = {o["mode"]: o for o in rows}
+    lines = []
+
+    def best(prefix: str, exclude: str = "\0"):
+        cands = [o for o in rows if o["mode"].startswith(prefix) and exclude not in o["mode"]
+                 and o["time_to_target_s"] is not None]
+        return min(cands, key=lambda o: o["time_to_target_s"]) if cands else None
+
+    ddp, psgd = best("torch-ddp", "powersgd"), best("torch-ddp+powersgd")
+    ddp_bytes = next((o["wire_bytes_per_step_engine"] for o in rows if o["mode"] == REFERENCE), None)
+    for mode in ("acco+loco4", "acco+loco4+int4params"):
+        o = by.get(mode)
+        if o is None:
+            continue
+        parts = [f"{mode}:"]
+        t = o["time_to_target_s"]
+        for name, ref in (("best torch-ddp", ddp), ("best PowerSGD", psgd)):
+            if ref is None:
+                parts.append(f"{name}: not reached/not run;")
+            elif t is None:
+                parts.append(f"time to target not reached ({name} {ref['mode']}: {ref['time_to_target_s']:.0f} s);")
+            else:
+                parts.append(f"time to target {t / ref['time_to_target_s']:.2f}x {name} ({ref['mode']});")
+        if o["throughput_efficiency"] is not None:
+            parts.append(f"efficiency {o['throughput_efficiency']:.2f};")
+        if ddp_bytes and o["wire_bytes_per_step_engine"]:
+            parts.append(f"wire bytes/step {o['wire_bytes_per_step_engine'] / ddp_bytes:.3f}x torch-ddp")
+        lines.append(" ".join(parts))
+    if "acco" in by and "zero1" in by and by["acco"]["samples_per_s"] and by["zero1"]["samples_per_s"]:
+        lines.append(f"acco vs zero1: samples/s {by['acco']['samples_per_s'] / by['zero1']['samples_per_s']:.2f}x, "
+                     f"final held-out loss {by['acco']['final_heldout_loss'] / by['zero1']['final_heldout_loss']:.3f}x")
+    return "\n".join(f"- {x}" for x in lines)
 
 
 # ----------------------------------------------------------------------------------- plots
@@ -533,28 +618,27 @@ def main(argv=None) -> int:
         with Testbed(workers=args.workers, link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
             for seed in range(args.seeds):
                 compute_rates.append(compute_only(tb, args, workdir, f"s{seed}"))
-                for lr in args.lrs:
-                    for mode in args.modes:
-                        name = f"{mode}-lr{lr:g}-s{seed}".replace("+", "_")
-                        spec = {**base_spec(args, seed), "role": "train", "mode": mode, "lr": lr,
-                                "samples": args.samples, "eval_points": eval_points(args),
-                                "max_micro_batches": args.max_micro_batches, "comm_chunks": args.comm_chunks,
-                                "group_size": args.group_size}
-                        port += 1
-                        t = time.monotonic()
-                        try:
-                            res = launch(tb, args, spec, name, workdir, port)
-                        except RunFailed as e:
-                            failures.append(str(e))
-                            log(f"FAILED {e}")
-                            continue
-                        run = summarize_run(mode, lr, seed, res)
-                        runs.append(run)
-                        log(f"{name}: {run['steps']} steps, {run['samples']} samples in {run['train_s']:.1f} s "
-                            f"({run['samples_per_s']:.2f}/s, start-up {run['startup_s']:.1f} s), held-out "
-                            f"{fmt(run['final_loss'], '.3f')}, tx/mode {run['tx_over_engine_per_rank']}, "
-                            f"run {time.monotonic() - t:.0f} s")
-                        write_outputs(args, runs, compute_rates, final=False)
+                for lr, mode in runs_for_seed(args, seed, runs):
+                    name = f"{mode}-lr{lr:g}-s{seed}".replace("+", "_")
+                    spec = {**base_spec(args, seed), "role": "train", "mode": mode, "lr": lr,
+                            "samples": args.samples, "eval_points": eval_points(args),
+                            "max_micro_batches": args.max_micro_batches, "comm_chunks": args.comm_chunks,
+                            "group_size": args.group_size}
+                    port += 1
+                    t = time.monotonic()
+                    try:
+                        res = launch(tb, args, spec, name, workdir, port)
+                    except RunFailed as e:
+                        failures.append(str(e))
+                        log(f"FAILED {e}")
+                        continue
+                    run = summarize_run(mode, lr, seed, res)
+                    runs.append(run)
+                    log(f"{name}: {run['steps']} steps, {run['samples']} samples in {run['train_s']:.1f} s "
+                        f"({run['samples_per_s']:.2f}/s, start-up {run['startup_s']:.1f} s), held-out "
+                        f"{fmt(run['final_loss'], '.3f')}, tx/mode {run['tx_over_engine_per_rank']}, "
+                        f"run {time.monotonic() - t:.0f} s")
+                    write_outputs(args, runs, compute_rates, final=False)
             if not args.no_compute_at_end:
                 compute_rates.append(compute_only(tb, args, workdir, "end"))
     except TestbedError as e:
@@ -579,6 +663,8 @@ def main(argv=None) -> int:
     tgt = next((o["target_loss"] for o in rows if o["target_loss"] is not None), None)
     print(f"target held-out loss: {fmt(tgt, '.3f')} ({'given' if args.target_loss is not None else REFERENCE + ' at the end'})\n")
     print(table(rows))
+    print()
+    print(verdict(rows))
     if args.plot and rows:
         plot_loss(rows, args.plot)
     if args.timeline and runs:
