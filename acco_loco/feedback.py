@@ -276,7 +276,6 @@ def compress(
     ``sent = deQ(payload, scales)`` (fp32).  If ``encode`` raises (NaN/Inf), the error state
     is left untouched."""
     h = feedback.compensate(x)
-    payload, scales = codec.encode(h, generator)
-    sent = codec.decode(payload, scales)
+    payload, scales, sent = codec.encode_with_decoded(h, generator)
     feedback.update(h, sent)
     return payload, scales, sent

@@ -82,9 +82,12 @@ class CompressedGrads:
             count = 0
         mean = full.to(torch.float32) / max(count, 1) if finite else torch.zeros(full.numel(), device=full.device)
         h = self.feedback.compensate(mean)
-        payload, scales = self.codec.encode(h, self.generator)
-        if count > 0:  # a worker with nothing to send keeps its error for the next round
-            self.feedback.update(h, self.codec.decode(payload, scales))
+        if self.feedback.active:
+            payload, scales, sent = self.codec.encode_with_decoded(h, self.generator)
+            if count > 0:  # a worker with nothing to send keeps its error for the next round
+                self.feedback.update(h, sent)
+        else:
+            payload, scales = self.codec.encode(h, self.generator)
         weight = torch.tensor([float(count)], dtype=torch.float32, device=full.device).view(torch.uint8)
         rows = torch.cat([payload.view(n, -1), _scale_bytes(scales).view(n, -1),
                           weight.view(1, -1).expand(n, -1)], dim=1)

@@ -62,6 +62,14 @@ class RoundResult:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+def squared_norm(x: torch.Tensor) -> torch.Tensor:
+    """sum(x**2): an fp32 dot (one pass, no temporary), redone in float64 if it overflowed."""
+    sq = torch.dot(x, x) if x.dtype == torch.float32 else x.to(torch.float32).square().sum()
+    if not math.isfinite(float(sq)):
+        sq = torch.linalg.vector_norm(x, dtype=torch.float64).square()
+    return sq
+
+
 def run_round(engine, req: RoundRequest) -> RoundResult:
     """One round for ``engine`` (an Engine); touches only comm-side state."""
     cfg, comm, flat = engine.cfg, engine.comm, engine.flat
@@ -73,7 +81,7 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
 
     t = time.perf_counter()
     # [what to send] gradient sum of this worker's micro-batches
-    local_bad = not bool(torch.isfinite(full).all())
+    local_bad = not all(math.isfinite(float(v)) for v in torch.aminmax(full))  # NaN propagates
     if engine.grad_codec is not None:
         grad_sum = engine.grad_codec.reduce_scatter(comm, full, req.count, finite=not local_bad)
     else:
@@ -88,7 +96,7 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
     small[0] = req.count
     small[1] = req.samples
     small[2] = req.loss_sum.to(torch.float64)
-    small[3] = step_sum.to(torch.float64).square().sum()
+    small[3] = squared_norm(step_sum)
     small[4 + rank] = float(req.exhausted)
     small[4 + n + rank] = float(local_bad)
     small = comm.all_reduce_sum(small).cpu()

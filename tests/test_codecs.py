@@ -345,3 +345,18 @@ def test_cuda_matches_cpu(name):
     codec.encode(x.cuda(), generator=gen)
     with pytest.raises(ValueError, match="generator is on"):
         codec.encode(x.cuda(), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "sign1"])
+@pytest.mark.parametrize("scale_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_encode_with_decoded_equals_encode_then_decode(name, scale_dtype, stochastic):
+    # values over 40 orders of magnitude, zero groups included
+    x = torch.randn(8192, generator=torch.Generator().manual_seed(3)) * torch.logspace(-30, 10, 8192)
+    x[1024:1152] = 0.0
+    codec = make_codec(name, scale_dtype=scale_dtype)
+    gen = (lambda: torch.Generator().manual_seed(7)) if stochastic else (lambda: None)
+    payload, scales, decoded = codec.encode_with_decoded(x, gen())
+    payload2, scales2 = codec.encode(x, gen())
+    assert torch.equal(payload, payload2) and torch.equal(scales, scales2)
+    assert decoded.dtype == torch.float32 and torch.equal(decoded, codec.decode(payload, scales))
