@@ -47,6 +47,10 @@ ENGINE_MODES: dict[str, dict] = {
     "acco": {"strategy": "acco", "codec": "none", "param_codec": "auto"},
     "acco+loco4": {"strategy": "acco", "codec": "loco4", "param_codec": "int8"},
     "acco+loco4+int4params": {"strategy": "acco", "codec": "loco4", "param_codec": "int4"},
+    # the shortest rounds: one micro-batch per round and worker, whatever the round costs (the
+    # smallest ACCO batch, 2 x workers micro-batches per step; the comm side's CPU is not amortized)
+    "acco+loco4+int4params+cap1": {"strategy": "acco", "codec": "loco4", "param_codec": "int4",
+                                   "max_micro_batches": 1, "max_round_overhead": 0.0},
 }
 ALL_MODES = tuple(DDP_MODES) + tuple(ENGINE_MODES)
 
@@ -246,12 +250,13 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
 
     tok, stream, held = build_data(spec, rank, world)
     model = build_model(spec, len(tok))
+    mode_fields = {"max_micro_batches": spec["max_micro_batches"], "max_round_overhead": spec["max_round_overhead"],
+                   **ENGINE_MODES[spec["mode"]]}
     cfg = EngineConfig(
-        **ENGINE_MODES[spec["mode"]], accumulation="adaptive", micro_batches=1,
-        max_micro_batches=spec["max_micro_batches"], max_steps=10**9, optimizer="adamw",
+        **mode_fields, accumulation="adaptive", micro_batches=1, max_steps=10**9, optimizer="adamw",
         lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
         compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
-        max_grad_norm=spec["max_grad_norm"] or None, max_round_overhead=spec["max_round_overhead"],
+        max_grad_norm=spec["max_grad_norm"] or None,
         record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
     engine.comm.barrier()

@@ -59,7 +59,7 @@ from recipes.bench_worker import ALL_MODES, DDP_MODES, ENGINE_MODES  # noqa: E40
 
 WORKER = os.path.join(REPO, "recipes", "bench_worker.py")
 HETERO_MODES = ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
-                "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4")
+                "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4", "acco+loco4+int4params")
 REFERENCE = "torch-ddp-acc1"
 # Every worker, DDP and compute-only included, runs with the malloc settings the engine applies to
 # itself on CPU (engine/cpu_memory.py): they take ~11% off a forward+backward too, so leaving
