@@ -1,0 +1,74 @@
+"""The benchmark's bookkeeping, on made-up runs (no testbed, no root): which lr each seed runs
+after a sweep, which lr a mode keeps, time to target, and the verdict lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recipes.benchmark import aggregate, parse_args, runs_for_seed, time_to_target, verdict
+
+
+def fake_run(mode, lr, seed, final, t_end=100.0, sps=10.0, wire=1e6):
+    evals = [{"samples": 100, "time_s": t_end / 2, "step": 5, "loss": final + 1.0},
+             {"samples": 200, "time_s": t_end, "step": 10, "loss": final}]
+    return {"mode": mode, "lr": lr, "seed": seed, "steps": 10, "samples": 200, "train_s": t_end,
+            "startup_s": 1.0, "step_time_median_s": 1.0, "samples_per_s": sps,
+            "global_micro_batches_median": 2, "global_micro_batches_mean": 2.0,
+            "min_micro_batches_median": 1, "comm_cpu_s_per_round": 0.1,
+            "wire_bytes_per_step_engine": wire, "wire_bytes_per_step_tx": wire * 1.04,
+            "tx_over_engine_per_rank": [1.04, 1.05], "final_loss": final, "evals": evals,
+            "compute_busy_per_rank": [0.8, 0.8], "phase_median_s": {}}
+
+
+def test_time_to_target_interpolates_between_eval_points():
+    evals = [{"time_s": 10.0, "loss": 3.0}, {"time_s": 20.0, "loss": 2.0}, {"time_s": 30.0, "loss": 1.5}]
+    assert time_to_target(evals, 2.5) == pytest.approx(15.0)
+    assert time_to_target(evals, 3.5) == pytest.approx(10.0)
+    assert time_to_target(evals, 1.0) is None
+
+
+def test_sweep_seeds_then_each_modes_best_lr():
+    args = parse_args(["--modes", "zero1,acco", "--seeds", "3", "--lr-sweep", "--sweep-seeds", "1", "--lr", "1e-3"])
+    assert runs_for_seed(args, 0, []) == [(lr, m) for lr in (5e-4, 1e-3, 2e-3) for m in ("zero1", "acco")]
+    done = [fake_run("zero1", 5e-4, 0, 2.6), fake_run("zero1", 1e-3, 0, 2.5), fake_run("zero1", 2e-3, 0, 2.7),
+            fake_run("acco", 5e-4, 0, 2.9), fake_run("acco", 1e-3, 0, 2.8), fake_run("acco", 2e-3, 0, 2.7)]
+    assert runs_for_seed(args, 1, done) == [(1e-3, "zero1"), (2e-3, "acco")]
+    # later seeds do worse at the best lr: the choice still rests on the swept seed only
+    done += [fake_run("acco", 2e-3, s, 3.5) for s in (1, 2)]
+    rows = {o["mode"]: o for o in aggregate(args, done, [20.0])}
+    assert rows["acco"]["lr"] == 2e-3 and rows["acco"]["seeds"] == [0, 1, 2]
+    assert rows["zero1"]["lr"] == 1e-3
+
+
+def test_lr_from_reads_an_earlier_result(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"modes": [{"mode": "acco", "lr": 2e-3}]}))
+    args = parse_args(["--modes", "zero1,acco", "--lr-from", str(path), "--lr", "1e-3"])
+    assert runs_for_seed(args, 0, []) == [(1e-3, "zero1"), (2e-3, "acco")]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(["--lr-from", str(bad)])
+    with pytest.raises(SystemExit):
+        parse_args(["--lr-from", str(path), "--lr-sweep"])
+
+
+def test_verdict_compares_against_the_best_ddp_and_powersgd():
+    args = parse_args(["--modes", "torch-ddp-acc1,torch-ddp-acc4,torch-ddp+powersgd4,zero1,acco,acco+loco4",
+                       "--seeds", "1"])
+    runs = [fake_run("torch-ddp-acc1", 1e-3, 0, 2.5, t_end=200, wire=19e6),
+            fake_run("torch-ddp-acc4", 1e-3, 0, 2.4, t_end=100, wire=19e6),
+            fake_run("torch-ddp+powersgd4", 1e-3, 0, 2.45, t_end=80),
+            fake_run("zero1", 1e-3, 0, 2.5, sps=6.0),
+            fake_run("acco", 1e-3, 0, 2.55, sps=9.0),
+            fake_run("acco+loco4", 1e-3, 0, 2.3, t_end=60, wire=7.6e6)]
+    rows = aggregate(args, runs, [20.0])
+    text = verdict(rows)
+    # target 2.5 (acc1's final loss), linear between (t/2, final + 1) and (t, final):
+    # acc4 at 50 + 0.9 * 50 = 95 s, PowerSGD at 40 + 0.95 * 40 = 78 s, acco+loco4 at 30 + 0.8 * 30 = 54 s
+    assert "time to target 0.57x best torch-ddp (torch-ddp-acc4)" in text
+    assert "0.69x best PowerSGD (torch-ddp+powersgd4)" in text
+    assert "wire bytes/step 0.400x torch-ddp" in text
+    assert "acco vs zero1: samples/s 1.50x" in text
