@@ -129,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
     ap.add_argument("--workdir", default=None, help="specs, outputs and worker logs (default: a temp dir)")
     ap.add_argument("--keep-workdir", action="store_true")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="run nothing: print the table and verdict of an earlier --json (and --plot it)")
     ap.add_argument("--prefix", default="bench", help="testbed namespace prefix")
     a = ap.parse_args(argv)
     if a.hetero:
@@ -419,13 +421,38 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
                      if r["mode"] == mode],
         }
         out.append(obj)
+    add_derived(out, args.workers, args.rate, args.micro_batch)
+    return out
+
+
+def rate_bits_per_s(rate: str) -> float:
+    """tc rate units (bit, kbit, mbit, gbit; decimal, as tc reads them) to bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    r = rate.strip().lower()
+    for unit, factor in units.items():
+        if r.endswith(unit):
+            return float(r[:-len(unit)]) * factor
+    return float(r)
+
+
+def add_derived(out: list[dict], workers: int, rate: str, micro_batch: int) -> None:
+    """Ratios against the reference and DESIGN.md section 4's overlap efficiency: the physical
+    limit of a (median) step, max(its compute at the compute-only pace, its wire bytes over the
+    link), over the measured median step time."""
+    link = rate_bits_per_s(rate) / 8
     ref = next((o for o in out if o["mode"] == REFERENCE), None)
     for o in out:
+        limit = None
+        rate_c = o.get("compute_only_samples_per_s")
+        if rate_c and o.get("global_micro_batches_per_step") and o.get("wire_bytes_per_step_engine") is not None:
+            compute_s = o["global_micro_batches_per_step"] * micro_batch / rate_c  # workers run in parallel
+            limit = max(compute_s, o["wire_bytes_per_step_engine"] / link)
+        o["step_limit_s"] = limit
+        o["overlap_efficiency"] = limit / o["step_time_median_s"] if limit and o.get("step_time_median_s") else None
         o["samples_per_s_vs_ref"] = (o["samples_per_s"] / ref["samples_per_s"]
                                      if ref and ref["samples_per_s"] and o["samples_per_s"] else None)
         o["time_to_target_vs_ref"] = (o["time_to_target_s"] / ref["time_to_target_s"]
                                       if ref and ref["time_to_target_s"] and o["time_to_target_s"] else None)
-    return out
 
 
 def fmt(x, spec=".2f", none="-"):
@@ -433,7 +460,8 @@ def fmt(x, spec=".2f", none="-"):
 
 
 def table(rows: list[dict]) -> str:
-    head = ["mode", "lr", "samples", "step s (med)", "samples/s", "vs acc1", "eff.", "global mb/step", "min mb/round",
+    head = ["mode", "lr", "samples", "step s (med)", "limit s", "samples/s", "vs acc1", "eff.", "overlap eff.",
+            "global mb/step", "min mb/round",
             "MB/step (mode)", "MB/step (tx)", "tx/mode", "held-out loss", "time to target s", "vs acc1",
             "reached"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -442,8 +470,9 @@ def table(rows: list[dict]) -> str:
         spread = "" if ttt is None or o["time_to_target_min_s"] == o["time_to_target_max_s"] else \
             f" [{o['time_to_target_min_s']:.0f}-{o['time_to_target_max_s']:.0f}]"
         lines.append("| " + " | ".join([
-            o["mode"], f"{o['lr']:g}", fmt(o["samples"], ".0f"), fmt(o["step_time_median_s"]), fmt(o["samples_per_s"]),
-            fmt(o["samples_per_s_vs_ref"]), fmt(o["throughput_efficiency"]),
+            o["mode"], f"{o['lr']:g}", fmt(o["samples"], ".0f"), fmt(o["step_time_median_s"]),
+            fmt(o.get("step_limit_s")), fmt(o["samples_per_s"]),
+            fmt(o["samples_per_s_vs_ref"]), fmt(o["throughput_efficiency"]), fmt(o.get("overlap_efficiency")),
             fmt(o["global_micro_batches_per_step"], ".1f"), fmt(o["min_micro_batches_per_round"], ".0f"),
             fmt(o["wire_bytes_per_step_engine"] and o["wire_bytes_per_step_engine"] / 1e6),
             fmt(o["wire_bytes_per_step_tx"] and o["wire_bytes_per_step_tx"] / 1e6),
@@ -590,8 +619,30 @@ def write_outputs(args, runs, compute_rates, final: bool) -> list[dict]:
     return rows
 
 
+def render(args) -> int:
+    try:
+        with open(args.render) as f:
+            doc = json.load(f)
+        rows, cfg = doc["modes"], doc["config"]
+        add_derived(rows, cfg["workers"], cfg["rate"], cfg["micro_batch"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --render {args.render}: not a benchmark JSON ({e})", file=sys.stderr)
+        return 2
+    print(f"command: `{doc['command']}`{'' if doc.get('complete') else ' (INCOMPLETE: the run was cut short)'}  ")
+    print(f"compute-only: {', '.join(f'{x:.2f}' for x in doc['compute_only_samples_per_s'])} samples/s; "
+          f"target held-out loss {fmt(next((o['target_loss'] for o in rows if o['target_loss']), None), '.3f')}\n")
+    print(table(rows))
+    print()
+    print(verdict(rows))
+    if args.plot and rows:
+        plot_loss(rows, args.plot)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return render(args)
     from engine.testbed import LinkSpec, Testbed, TestbedError, requires_root_reason
 
     reason = requires_root_reason(delay=args.delay_ms > 0)

@@ -72,3 +72,15 @@ def test_verdict_compares_against_the_best_ddp_and_powersgd():
     assert "0.69x best PowerSGD (torch-ddp+powersgd4)" in text
     assert "wire bytes/step 0.400x torch-ddp" in text
     assert "acco vs zero1: samples/s 1.50x" in text
+
+
+def test_overlap_efficiency_is_the_physical_limit_over_the_step_time():
+    from recipes.benchmark import add_derived, rate_bits_per_s
+
+    assert rate_bits_per_s("100mbit") == 1e8 and rate_bits_per_s("1gbit") == 1e9 and rate_bits_per_s("20mbit") == 2e7
+    # 2 micro-batches of 8 at 16 samples/s compute-only: 1 s; 12.5 MB at 100 Mbit/s: 1 s -> limit 1 s
+    rows = [{"mode": "x", "compute_only_samples_per_s": 16.0, "global_micro_batches_per_step": 2,
+             "wire_bytes_per_step_engine": 12.5e6, "step_time_median_s": 2.0, "samples_per_s": 8.0,
+             "time_to_target_s": None}]
+    add_derived(rows, 2, "100mbit", 8)
+    assert rows[0]["step_limit_s"] == pytest.approx(1.0) and rows[0]["overlap_efficiency"] == pytest.approx(0.5)
