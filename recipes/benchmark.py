@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", default=None, help=f"comma list from: {', '.join(ALL_MODES)} (default all; "
                     "with --hetero: " + ", ".join(HETERO_MODES) + ")")
     ap.add_argument("--seeds", type=int, default=3, help="runs per mode with seeds 0..N-1 (model init and data order)")
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+N-1 instead")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="start from the runs of an earlier --json (repeatable): add seeds or modes to a table")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lr-sweep", action="store_true",
                     help="run each mode at lr x 0.5, 1, 2 and keep its best (median final held-out loss)")
@@ -144,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in a.modes if m not in ALL_MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}: choose from {', '.join(ALL_MODES)}")
+    if a.first_seed < 0:
+        ap.error("--first-seed must be >= 0")
     if a.seeds < 1:
         ap.error("--seeds must be >= 1")
     if a.samples is None:
@@ -174,8 +179,8 @@ def runs_for_seed(args, seed: int, done: list[dict]) -> list[tuple[float, str]]:
     out = []
     for m in args.modes:
         by_lr: dict[float, list[float]] = {}
-        for r in done:
-            if r["mode"] == m and r["final_loss"] is not None:
+        for r in done:  # the sweep seeds only, as aggregate() scores them
+            if r["mode"] == m and r["final_loss"] is not None and r["seed"] < args.sweep_seeds:
                 by_lr.setdefault(r["lr"], []).append(r["final_loss"])
         best = min(by_lr, key=lambda lr: statistics.median(by_lr[lr])) if by_lr else args.lr
         out.append((best, m))
@@ -365,14 +370,17 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
         return statistics.median(losses) if losses else float("inf")
 
     best = {m: min(lrs.items(), key=lambda kv: score(kv[1])) for m, lrs in by_mode.items()}
+    for m, lr in args.mode_lr.items():  # --lr-from: the lr chosen by the earlier sweep
+        if m in by_mode and lr in by_mode[m]:
+            best[m] = (lr, by_mode[m][lr])
     targets: dict[int, float] = {}
     if args.target_loss is not None:
-        targets = {s: args.target_loss for s in range(args.seeds)}
+        targets = {r["seed"]: args.target_loss for r in runs}
     elif REFERENCE in best:
         targets = {r["seed"]: r["final_loss"] for r in best[REFERENCE][1] if r["final_loss"] is not None}
 
     out = []
-    for mode in args.modes:
+    for mode in [m for m in ALL_MODES if m in best]:  # merged runs may add modes
         if mode not in best:
             continue
         lr, rs = best[mode]
@@ -566,7 +574,7 @@ def plot_timeline(runs: list[dict], modes: list[str], path: str, n_steps: int = 
 
     picked = []
     for m in modes:  # first run of each mode (lowest seed, first lr run)
-        rs = [r for r in runs if r["mode"] == m]
+        rs = [r for r in runs if r["mode"] == m and r.get("timeline")]  # merged runs carry none
         if rs:
             picked.append(min(rs, key=lambda r: r["seed"]))
     if not picked:
@@ -619,6 +627,17 @@ def write_outputs(args, runs, compute_rates, final: bool) -> list[dict]:
     return rows
 
 
+def load_runs(path: str) -> tuple[list[dict], list[float]]:
+    """The per-run summaries and compute-only rates of an earlier --json (no timelines)."""
+    with open(path) as f:
+        doc = json.load(f)
+    runs = [r for o in doc["modes"] for r in o["runs"]]
+    for r in runs:
+        r.setdefault("timeline", [])
+        r.setdefault("history", [])
+    return runs, list(doc["compute_only_samples_per_s"])
+
+
 def render(args) -> int:
     try:
         with open(args.render) as f:
@@ -662,12 +681,21 @@ def main(argv=None) -> int:
         f"{args.samples} samples; lrs {args.lrs}; seeds {args.seeds}")
     runs: list[dict] = []
     compute_rates: list[float] = []
+    for path in args.merge:
+        try:
+            runs_in, rates_in = load_runs(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: --merge {path}: not a benchmark JSON ({e})", file=sys.stderr)
+            return 2
+        runs += runs_in
+        compute_rates += rates_in
+        log(f"merged {len(runs_in)} runs from {path}")
     failures: list[str] = []
     port = 29500
     t_start = time.monotonic()
     try:
         with Testbed(workers=args.workers, link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 compute_rates.append(compute_only(tb, args, workdir, f"s{seed}"))
                 for lr, mode in runs_for_seed(args, seed, runs):
                     name = f"{mode}-lr{lr:g}-s{seed}".replace("+", "_")

@@ -84,3 +84,25 @@ def test_overlap_efficiency_is_the_physical_limit_over_the_step_time():
              "time_to_target_s": None}]
     add_derived(rows, 2, "100mbit", 8)
     assert rows[0]["step_limit_s"] == pytest.approx(1.0) and rows[0]["overlap_efficiency"] == pytest.approx(0.5)
+
+
+def test_later_seeds_use_the_lr_the_sweep_seeds_chose():
+    # seed 1 ran at the swept best and did worse: seed 2 must still run there
+    args = parse_args(["--modes", "zero1", "--seeds", "3", "--lr-sweep", "--sweep-seeds", "1", "--lr", "1e-3"])
+    done = [fake_run("zero1", 5e-4, 0, 2.60), fake_run("zero1", 1e-3, 0, 2.59), fake_run("zero1", 2e-3, 0, 3.3),
+            fake_run("zero1", 1e-3, 1, 2.70)]
+    assert runs_for_seed(args, 2, done) == [(1e-3, "zero1")]
+
+
+def test_merge_adds_seeds_to_an_earlier_table(tmp_path):
+    from recipes.benchmark import load_runs
+
+    args = parse_args(["--modes", "torch-ddp-acc1,zero1", "--seeds", "1"])
+    first = aggregate(args, [fake_run("torch-ddp-acc1", 1e-3, 0, 2.5), fake_run("zero1", 1e-3, 0, 2.6)], [20.0])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"modes": first, "compute_only_samples_per_s": [20.0]}))
+    runs, rates = load_runs(str(path))
+    more = parse_args(["--modes", "zero1", "--seeds", "1", "--first-seed", "1", "--lr-from", str(path)])
+    rows = {o["mode"]: o for o in aggregate(more, runs + [fake_run("zero1", 1e-3, 1, 2.4)], rates)}
+    assert set(rows) == {"torch-ddp-acc1", "zero1"} and rows["zero1"]["seeds"] == [0, 1]
+    assert rows["zero1"]["final_heldout_loss"] == pytest.approx(2.5)  # median of 2.6 and 2.4
