@@ -301,6 +301,17 @@ class Codec:
         ``x``'s device), unbiased for the integer codecs.  ``sign1`` ignores ``generator``.
         Raises ``ValueError`` on NaN/Inf input unless ``check_finite=False``.
         """
+        return self._encode(x, generator, check_finite, keep_decoded=False)
+
+    def encode_with_decoded(
+        self, x: Tensor, generator: torch.Generator | None = None, *, check_finite: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``encode`` plus ``decode(payload, scales)`` (fp32, bit-identical to it), for error
+        feedback: the integer codecs rescale the rounded values they already hold instead of
+        unpacking the payload again (one pass instead of three)."""
+        return self._encode(x, generator, check_finite, keep_decoded=True)
+
+    def _encode(self, x: Tensor, generator: torch.Generator | None, check_finite: bool, keep_decoded: bool):
         if x.dim() != 1:
             raise ValueError(f"{self.name}.encode expects a flat 1-D tensor (got shape {tuple(x.shape)})")
         if not x.is_floating_point():
@@ -310,22 +321,9 @@ class Codec:
             raise ValueError(f"generator is on {generator.device} but the tensor is on {x.device}")
         xg = x.to(torch.float32).reshape(groups, self.group_size)  # copies only if strided
         if self.bits == 1:
-            return self._encode_sign(xg, check_finite)
-        return self._encode_int(xg, generator, check_finite)
-
-    def encode_with_decoded(
-        self, x: Tensor, generator: torch.Generator | None = None, *, check_finite: bool = True
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``encode`` plus ``decode(payload, scales)`` (fp32, bit-identical to it), for error
-        feedback: the integer codecs rescale the rounded values they already hold instead of
-        unpacking the payload again (one pass instead of three)."""
-        if self.bits == 1 or x.dim() != 1 or not x.is_floating_point():
-            payload, scales = self.encode(x, generator, check_finite=check_finite)
-            return payload, scales, self.decode(payload, scales)
-        if generator is not None and generator.device.type != x.device.type:
-            raise ValueError(f"generator is on {generator.device} but the tensor is on {x.device}")
-        xg = x.to(torch.float32).reshape(self._groups(x.numel()), self.group_size)
-        return self._encode_int(xg, generator, check_finite, keep_decoded=True)
+            payload, scales = self._encode_sign(xg, check_finite)
+            return (payload, scales, self.decode(payload, scales)) if keep_decoded else (payload, scales)
+        return self._encode_int(xg, generator, check_finite, keep_decoded)
 
     def _encode_int(self, xg: Tensor, generator: torch.Generator | None, check_finite: bool,
                     keep_decoded: bool = False):

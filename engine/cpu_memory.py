@@ -2,9 +2,10 @@
 
 glibc hands every large freed block back to the kernel (blocks above a dynamic mmap threshold
 are unmapped, the heap top is trimmed), so the next temporary of the same size faults its pages
-in again: on a 2-core machine that doubled the cost of the LoCo encode/decode of a 4.9M-value
-gradient (codecs and feedback: 190 -> 70 ms main thread, 110 -> 60 ms on a second thread) and
-took 11% off a GPT-2 forward+backward. Training allocates the same sizes every round, so keeping
+in again. In a one-off measurement on the 2-core development machine (a throwaway script, not
+kept) that roughly doubled the cost of the LoCo compensate/encode/update of a 4.9M-value
+gradient, and the setting took about 11% off a GPT-2 6x256 forward+backward; the benchmark runs
+every mode with the same setting, so its tables do not depend on it. Training allocates the same sizes every round, so keeping
 the memory costs nothing in steady state. Set once, as early as possible (threads that already
 own an arena keep it). Process-wide; the same as starting Python with
 ``MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=<huge> MALLOC_MMAP_MAX_=0``.

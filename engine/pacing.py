@@ -42,9 +42,12 @@ class Pacer:
         self.current = floor
 
     def on_micro_batch(self, seconds: float) -> None:
-        self.micro_batch.append(seconds)
+        if self.max_overhead > 0:
+            self.micro_batch.append(seconds)
 
     def on_round(self, comm_cpu_s: float) -> int:
+        if self.max_overhead <= 0:  # off: the floor never moves
+            return self.current
         self.rounds_seen += 1
         if self.rounds_seen > 1:  # the first round pays for first-touch allocations
             self.comm_cpu.append(comm_cpu_s)

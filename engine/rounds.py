@@ -58,7 +58,6 @@ class RoundResult:
     bad_ranks: list[int]
     exhausted_ranks: list[int]
     bytes_sent: int
-    cpu_s: float = 0.0  # CPU seconds the comm thread spent on this round (codecs, optimizer, python)
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
@@ -75,7 +74,6 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
     cfg, comm, flat = engine.cfg, engine.comm, engine.flat
     n, rank = comm.world_size, comm.rank
     bytes_before = comm.bytes_sent
-    cpu_before = time.thread_time()
     phases: dict[str, tuple[float, float]] = {}
     full = flat.grads[req.grad_index]
 
@@ -150,5 +148,4 @@ def run_round(engine, req: RoundRequest) -> RoundResult:
         index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count,
         count=count, samples=samples, loss=loss_sum / count if count else float("nan"), lr=lr,
         grad_norm=grad_norm, skipped=nonfinite, empty=empty, bad_ranks=bad_ranks,
-        exhausted_ranks=exhausted_ranks, bytes_sent=comm.bytes_sent - bytes_before,
-        cpu_s=time.thread_time() - cpu_before, phases=phases)
+        exhausted_ranks=exhausted_ranks, bytes_sent=comm.bytes_sent - bytes_before, phases=phases)

@@ -381,8 +381,6 @@ def aggregate(args, runs: list[dict], compute_rates: list[float]) -> list[dict]:
 
     out = []
     for mode in [m for m in ALL_MODES if m in best]:  # merged runs may add modes
-        if mode not in best:
-            continue
         lr, rs = best[mode]
         med = lambda key: statistics.median(r[key] for r in rs if r[key] is not None) \
             if any(r[key] is not None for r in rs) else None  # noqa: E731
