@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
 
 def run_mode(mode: str, qc: QualityConfig, timeout: float | None = None) -> dict:
     """Train one mode at qc.world ranks; summary dict (rank 0's view, wire bytes of rank 0)."""
-    from tests.dist_utils import spawn
+    from engine.local_group import spawn
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose from {sorted(MODES)}")

@@ -93,7 +93,7 @@ def resolve(directory: str | os.PathLike) -> Path:
     return path
 
 
-def load(cls, directory, model, cfg: EngineConfig | None, loss_fn):
+def load(cls, directory, model, cfg: EngineConfig | None, loss_fn, max_steps: int | None = None):
     path = resolve(directory)
     try:
         info = json.loads((path / "engine.json").read_text())
@@ -110,6 +110,8 @@ def load(cls, directory, model, cfg: EngineConfig | None, loss_fn):
             raise ValueError("the checkpoint was written with a different configuration: " + ", ".join(
                 f"{f}={getattr(saved_cfg, f)!r} there, {getattr(cfg, f)!r} here" for f in diff)
                 + ": resume with the checkpoint's values or start a new run")
+    if max_steps is not None:
+        cfg = EngineConfig.from_dict({**cfg.to_dict(), "max_steps": max_steps})
     _load_model(model, path / "model.safetensors")
     engine = cls(model, cfg, loss_fn)
     if engine.world_size != info["world_size"]:

@@ -140,6 +140,7 @@ class Engine:
         self.pacer = Pacer(cfg.max_round_overhead if paced else 0.0, cfg.micro_batches, cfg.max_micro_batches)
         self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
         self._cpu_mark = (time.process_time(), time.thread_time())
+        self._stop_at = cfg.max_steps  # fit(steps=...) stops its call earlier
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -151,28 +152,35 @@ class Engine:
     def world_size(self) -> int:
         return self.comm.world_size
 
-    def fit(self, batches: Iterable[Any]) -> list[dict]:
+    def fit(self, batches: Iterable[Any], steps: int | None = None) -> list[dict]:
         """Train until ``cfg.max_steps`` committed steps or until some worker's data runs out.
 
         ``batches`` are this worker's micro-batches. After a resume, pass the stream from index
-        ``engine.consumed`` on. Returns one dict per committed step of this call.
+        ``engine.consumed`` on. ``steps`` stops this call after that many more committed steps
+        (every rank must pass the same value); the learning-rate schedule keeps ``cfg.max_steps``
+        as its horizon, so fitting in pieces follows the same trajectory as one call. Returns one
+        dict per committed step of this call.
         """
         if self._closed:
             raise RuntimeError("this engine was closed: build a new one")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
+        self._stop_at = self.cfg.max_steps if steps is None else min(self.cfg.max_steps, self.step + steps)
         first = len(self.history)
         it = iter(batches)
         self._clock = time.perf_counter()
         bar = self._progress_bar()
         try:
-            while self.step < self.cfg.max_steps:
+            while self.step < self._stop_at:
                 exhausted = self._accumulate(it)
-                if self._boundary(exhausted):
-                    break
+                stop = self._boundary(exhausted)
                 if bar is not None:
                     bar.update(self.step - bar.n)
                     if self.history:
                         h = self.history[-1]
                         bar.set_postfix(loss=f"{h['loss']:.4f}", samples_s=f"{h['samples'] / max(h['time_s'], 1e-9):.1f}")
+                if stop:
+                    break
         except BaseException:
             self._abort()
             raise
@@ -188,9 +196,12 @@ class Engine:
 
     @classmethod
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
-             loss_fn: LossFn | None = None) -> "Engine":
-        """Build an engine from a checkpoint written by ``save`` (same world size)."""
-        return ckpt.load(cls, directory, model, cfg, loss_fn)
+             loss_fn: LossFn | None = None, *, max_steps: int | None = None) -> "Engine":
+        """Build an engine from a checkpoint written by ``save`` (same world size).
+
+        ``max_steps`` sets a new horizon for the resumed run (it must lie beyond the saved step).
+        """
+        return ckpt.load(cls, directory, model, cfg, loss_fn, max_steps=max_steps)
 
     def close(self) -> None:
         if self._closed:
@@ -305,7 +316,7 @@ class Engine:
         if result.exhausted_ranks:
             self._warn_stopped_early(result.exhausted_ranks)
             return True
-        return self.step >= self.cfg.max_steps
+        return self.step >= self._stop_at
 
     def _record_step(self, result: RoundResult) -> None:
         self.step += 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from tests.dist_utils import spawn
+from engine.local_group import spawn
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 STEPS, K = 20, 2
@@ -23,8 +23,7 @@ def run_engine(rank: int, world: int, strategy: str, opt: str = "adamw", steps: 
     it = iter(worker_stream(rank, 3 * K * (steps + 1)))
     snapshots = []
     for t in range(steps):
-        engine.cfg.max_steps = t + 1
-        hist = engine.fit(it)
+        hist = engine.fit(it, steps=1)
         assert [h["step"] for h in hist] == [t + 1]
         snapshots.append(flat_params(model))
     engine.close()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig
-from tests.dist_utils import spawn, spawn_collect
+from engine.local_group import spawn, spawn_collect
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 TIMEOUT_S = 8.0
@@ -47,8 +47,7 @@ def doomed_worker(rank: int, world: int, root: str, victim: int, mode: str):
 def load_last(rank: int, world: int, root: str):
     engine = Engine.load(root, tiny_model(7), None, mse_loss)
     step = engine.step
-    engine.cfg.max_steps = step + 2  # and it trains on
-    engine.fit(worker_stream(rank, 100))
+    engine.fit(worker_stream(rank, 100), steps=2)  # and it trains on
     engine.close()
     return step
 

@@ -13,7 +13,7 @@ from acco_loco.codecs import make_codec
 from engine import Engine, EngineConfig
 from engine.comm import Comm
 from engine.compressed import CompressedGrads, GradCodecSpec, parse_grad_codec
-from tests.dist_utils import spawn
+from engine.local_group import spawn
 from tests.tiny import flat_params, mse_loss, worker_stream
 
 NUMEL, GROUP = 4 * 1024, 128
@@ -77,8 +77,7 @@ def train_modes(rank: int, world: int, steps: int = 8):
         it = iter(worker_stream(rank, 400))
         snaps, history = [], []
         for t in range(steps):
-            engine.cfg.max_steps = t + 1
-            history += engine.fit(it)
+            history += engine.fit(it, steps=1)
             snaps.append(flat_params(model))
         engine.close()
         out[name] = {"snaps": snaps, "bytes": [h["wire_bytes"] for h in history],

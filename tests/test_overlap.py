@@ -11,7 +11,7 @@ import time
 
 from engine import Engine, EngineConfig
 from engine.comm import Comm
-from tests.dist_utils import spawn
+from engine.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 COMM_DELAY_S = 0.15

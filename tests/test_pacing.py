@@ -16,7 +16,7 @@ from engine import Engine, EngineConfig
 from engine.comm import Comm
 from engine.cpu_memory import keep_freed_memory
 from engine.pacing import Pacer, min_micro_batches
-from tests.dist_utils import spawn
+from engine.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 

@@ -1,4 +1,5 @@
-"""Spawn real gloo process groups for tests: one process per rank, results back by queue."""
+"""Spawn a real gloo process group on this machine (tests, benchmarks): one process per rank,
+results back by queue. The functions run must be importable (spawn pickles them by name)."""
 
 from __future__ import annotations
 
