@@ -6,29 +6,45 @@ Layout of a checkpoint directory:
                                 that rank's fp32 master shard, optimizer moments, the gradient it
                                 accumulated but has not sent yet, the reduced estimate half it
                                 keeps (acco), its RNG state; engine counters in the metadata
-    engine.json                 world size, step, config; written last
+    engine.json                 world size, step, config, the loss function's name; written last
 
 Every rank writes into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<dir>``, so a
-checkpoint is either complete or absent. Multi-node runs need a shared filesystem.
+checkpoint is either complete or absent. Multi-node runs need a shared filesystem. A peer lost
+during a save is named (the watchdog's diagnosis), and ``<dir>.tmp`` is never loaded.
+
+Every safetensors file carries a checksum of each tensor and of its metadata (metadata key
+``checksums``); load verifies them, so a flipped bit is an error that names the file and the
+tensor instead of a run that trains on garbage. Checkpoints written before checksums existed
+load with a warning.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from acco_loco.acco import KeptHalf
 
 from .config import STRUCTURAL_FIELDS, EngineConfig
 
-FORMAT = 1
+log = logging.getLogger("acco_loco")
+
+FORMAT = 1  # checksums and loss_fn are optional additions: format-1 readers ignore them
 LATEST = "latest"
+CHECKSUMS = "checksums"  # safetensors metadata key (and engine.json field: the algorithm)
+CHECKSUM_ALGO = "blake2b-128"
+# Engine's default loss (engine/engine.py), by name: importing it here would be circular
+DEFAULT_LOSS = f"{__name__.rpartition('.')[0]}.engine.default_loss"
+_UNRECORDED = object()  # engine.json of a checkpoint written before loss_fn was recorded
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -39,21 +55,23 @@ def save(engine, directory: str | os.PathLike) -> str:
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     comm = engine.comm
+    what = f"checkpoint save to {final} on rank {comm.rank}"
     if comm.rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    comm.barrier()
+    _barrier(engine, what)
 
     if comm.rank == 0:
         _save_model(engine.model, tmp / "model.safetensors")
     tensors, meta = _rank_state(engine)
-    save_file(tensors, str(tmp / rank_file(comm.rank, comm.world_size)), metadata={"engine": json.dumps(meta)})
-    comm.barrier()
+    _write(tensors, tmp / rank_file(comm.rank, comm.world_size), {"engine": json.dumps(meta)})
+    _barrier(engine, what)
 
     if comm.rank == 0:
         info = {"format": FORMAT, "world_size": comm.world_size, "step": engine.step,
-                "config": engine.cfg.to_dict()}
+                "config": engine.cfg.to_dict(), "loss_fn": _saved_loss_name(engine.loss_fn),
+                CHECKSUMS: CHECKSUM_ALGO}
         with open(tmp / "engine.json", "w") as f:
             json.dump(info, f, indent=1)
             f.flush()
@@ -66,7 +84,7 @@ def save(engine, directory: str | os.PathLike) -> str:
         tmp.rename(final)
         if old.exists():
             shutil.rmtree(old)
-    comm.barrier()
+    _barrier(engine, what)
     return str(final)
 
 
@@ -78,7 +96,7 @@ def save_periodic(engine, root: str) -> str:
         pointer = Path(root) / (LATEST + ".tmp")
         pointer.write_text(name + "\n")
         os.replace(pointer, Path(root) / LATEST)
-    engine.comm.barrier()
+    _barrier(engine, f"checkpoint save to {path} on rank {engine.comm.rank}")
     return path
 
 
@@ -87,6 +105,9 @@ def resolve(directory: str | os.PathLike) -> Path:
     path = Path(directory)
     if (path / LATEST).is_file():
         path = path / (path / LATEST).read_text().strip()
+    if path.name.endswith(".tmp"):  # a save in progress, or one a lost peer left unfinished
+        raise FileNotFoundError(f"{path} is an unfinished checkpoint (a save in progress or one that "
+                                "failed): give the checkpoint root or a finished checkpoint directory")
     if not (path / "engine.json").is_file():
         raise FileNotFoundError(f"no complete checkpoint in {path} (engine.json is missing): "
                                 "give a directory written by Engine.save or a checkpoint root")
@@ -110,18 +131,152 @@ def load(cls, directory, model, cfg: EngineConfig | None, loss_fn, max_steps: in
             raise ValueError("the checkpoint was written with a different configuration: " + ", ".join(
                 f"{f}={getattr(saved_cfg, f)!r} there, {getattr(cfg, f)!r} here" for f in diff)
                 + ": resume with the checkpoint's values or start a new run")
-    if max_steps is not None:
+    if max_steps is not None:  # overrides cfg.max_steps, whichever cfg is used
+        step = info["step"]
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= step:
+            raise ValueError(f"max_steps={max_steps!r}, but the checkpoint in {path} is at step {step}: "
+                             f"pass the total to train to, an integer above {step} (e.g. "
+                             f"max_steps={step + 1000} for 1000 more steps)")
         cfg = EngineConfig.from_dict({**cfg.to_dict(), "max_steps": max_steps})
-    _load_model(model, path / "model.safetensors")
+    _check_loss(path, info.get("loss_fn", _UNRECORDED), loss_fn)
+    checked = info.get(CHECKSUMS)
+    if checked is None:
+        log.warning("the checkpoint in %s was written before checkpoints carried checksums: its data "
+                    "cannot be verified", path)
+    elif checked != CHECKSUM_ALGO:
+        raise ValueError(f"the checkpoint in {path} has {checked!r} checksums and this version reads "
+                         f"{CHECKSUM_ALGO!r}: it was written by another version")
+    _load_model(model, path / "model.safetensors", required=checked is not None)
     engine = cls(model, cfg, loss_fn)
-    if engine.world_size != info["world_size"]:
-        raise ValueError(f"the checkpoint in {path} was written by {info['world_size']} workers and this "
-                         f"run has {engine.world_size}: resume with {info['world_size']} workers")
-    _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size))
+    error: Exception | None = None
+    try:
+        if engine.world_size != info["world_size"]:
+            raise ValueError(f"the checkpoint in {path} was written by {info['world_size']} workers and this "
+                             f"run has {engine.world_size}: resume with {info['world_size']} workers")
+        _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size), required=checked is not None)
+    except Exception as exc:  # any rank's failure stops every rank here, not in its first round
+        error = exc
+    _agree_loaded(engine, path, error)
     return engine
 
 
 # ---------------------------------------------------------------------------- internals
+def _barrier(engine, what: str) -> None:
+    """A barrier whose failure names the lost peer, as a failed round does."""
+    try:
+        engine.comm.barrier()
+    except Exception as exc:  # gloo/NCCL say only "connection reset" or time out
+        raise engine.watchdog.diagnose(what) from exc
+
+
+def _agree_loaded(engine, path: Path, error: Exception | None) -> None:
+    """Every rank learns whether every rank restored its part, so none trains on alone."""
+    failed = [engine.rank] if error is not None else []
+    if engine.world_size > 1:
+        flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.device)
+        flags[engine.rank] = int(error is not None)
+        try:
+            engine.comm.all_reduce_sum(flags)
+        except Exception as exc:
+            engine.close()
+            raise engine.watchdog.diagnose(f"checkpoint load from {path} on rank {engine.rank}") from exc
+        failed = [r for r, bad in enumerate(flags.tolist()) if bad]
+    if not failed:
+        return
+    engine.close()
+    if error is not None:
+        raise error
+    raise ValueError(f"rank(s) {failed} could not load their part of the checkpoint in {path} (their "
+                     "error says why): use an earlier checkpoint")
+
+
+def _loss_name(fn) -> str:
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_loss_name(fn.func)})"
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:  # a callable object: its class names it
+        return f"{type(fn).__module__}.{type(fn).__qualname__}"
+    return f"{getattr(fn, '__module__', None) or '?'}.{qualname}"
+
+
+def _saved_loss_name(fn) -> str | None:
+    name = _loss_name(fn)
+    return None if name == DEFAULT_LOSS else name
+
+
+def _check_loss(path: Path, saved, loss_fn) -> None:
+    """A custom loss is not in the checkpoint: resuming without it would silently change the run."""
+    if saved is _UNRECORDED:
+        return
+    if loss_fn is None:
+        if saved is not None:
+            raise ValueError(f"the checkpoint in {path} was trained with loss_fn {saved!r}; pass loss_fn=... "
+                             "to Engine.load (the default, model(**batch).loss, is used only when it was "
+                             "the default)")
+        return
+    given = _loss_name(loss_fn)
+    if given != (saved or DEFAULT_LOSS):
+        # names legitimately differ (a renamed function, a closure rebuilt by the script)
+        log.warning("the checkpoint in %s was trained with loss_fn %r and this run uses %r: make sure it "
+                    "computes the same loss", path, saved or f"{DEFAULT_LOSS} (the default)", given)
+
+
+def _digest(data) -> str:
+    """blake2b-128 of a CPU tensor's raw bytes (or of a str): ~1 GB/s, no copy of contiguous data."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(data, str):
+        h.update(data.encode())
+    else:
+        h.update(data.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _write(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+    metadata = dict(metadata or {})
+    sums = {"algo": CHECKSUM_ALGO, "tensors": {k: _digest(v) for k, v in tensors.items()},
+            "metadata": {k: _digest(v) for k, v in metadata.items()}}
+    save_file(tensors, str(file), metadata={**metadata, CHECKSUMS: json.dumps(sums)})
+
+
+def _read(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file, verified against its checksums.
+
+    ``required``: the checkpoint was written with checksums, so a file without them is corrupt."""
+    try:
+        with safe_open(str(file), "pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{file} is corrupt or unreadable ({exc}): use an earlier checkpoint") from exc
+    raw = metadata.get(CHECKSUMS)
+    if raw is None:
+        if required:
+            raise ValueError(f"{file} has no checksums though its checkpoint was written with them (the "
+                             "file is corrupt or was replaced): use an earlier checkpoint")
+        return tensors, metadata
+    try:
+        sums = json.loads(raw)
+        algo, tensor_sums, meta_sums = sums["algo"], dict(sums["tensors"]), dict(sums["metadata"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{file}: its checksum table is corrupt ({exc}): use an earlier checkpoint") from exc
+    if algo != CHECKSUM_ALGO:
+        raise ValueError(f"{file} has {algo!r} checksums and this version reads {CHECKSUM_ALGO!r}: it was "
+                         "written by another version")
+    if set(tensor_sums) != set(tensors):
+        raise ValueError(f"{file} holds tensors {sorted(set(tensors) - set(tensor_sums))[:5]} it has no "
+                         f"checksum for and lacks {sorted(set(tensor_sums) - set(tensors))[:5]} (the file is "
+                         "corrupt): use an earlier checkpoint")
+    for name, t in tensors.items():
+        if _digest(t) != tensor_sums[name]:
+            raise ValueError(f"{file}: tensor {name!r} fails its checksum (the file is corrupt): use an "
+                             "earlier checkpoint")
+    for key, digest in meta_sums.items():
+        if key not in metadata or _digest(metadata[key]) != digest:
+            raise ValueError(f"{file}: metadata {key!r} fails its checksum (the file is corrupt): use an "
+                             "earlier checkpoint")
+    return tensors, metadata
+
+
 def _save_model(model: torch.nn.Module, file: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple]] = set()
@@ -131,14 +286,11 @@ def _save_model(model: torch.nn.Module, file: Path) -> None:
             continue
         seen.add(key)
         tensors[name] = t.detach().to("cpu").clone().contiguous()
-    save_file(tensors, str(file))
+    _write(tensors, file)
 
 
-def _load_model(model: torch.nn.Module, file: Path) -> None:
-    try:
-        tensors = load_file(str(file))
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(f"{file} is corrupt or unreadable ({exc}): use an earlier checkpoint") from exc
+def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:
+    tensors, _ = _read(file, required)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     own = model.state_dict()
     # keys missing from the file are allowed only for tied weights saved under another name
@@ -172,15 +324,14 @@ def _rank_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def _restore_rank_state(engine, file: Path) -> None:
+def _restore_rank_state(engine, file: Path, required: bool) -> None:
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: the checkpoint is incomplete, use an earlier one")
+    tensors, metadata = _read(file, required)
     try:
-        with safe_open(str(file), "pt") as f:
-            meta = json.loads(f.metadata()["engine"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is corrupt or unreadable ({exc}): use an earlier checkpoint") from exc
+        meta = json.loads(metadata["engine"])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is corrupt or unreadable (engine metadata: {exc}): use an earlier checkpoint") from exc
     flat = engine.flat
     if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
         raise ValueError(f"{file} holds a shard of {meta['shard_size']} values for a model of "
