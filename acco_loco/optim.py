@@ -31,17 +31,30 @@ class OptimizerSpec:
     nesterov: bool = False  # sgd only
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
+        # NaN fails every comparison, so each range check asks for finite numbers first
+        if not isinstance(self.name, str) or self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}: choose one of {OPTIMIZERS}")
-        b1, b2 = self.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(_finite(b) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ValueError(f"betas must be a pair (beta1, beta2) of finite numbers in [0, 1), got {self.betas!r}")
+        if not (_finite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if not (_finite(self.momentum) and 0.0 <= self.momentum < 1.0):
+            raise ValueError(f"momentum must be a finite number in [0, 1), got {self.momentum!r}")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
+
+
+def _finite(value) -> bool:
+    """An int or float (not a bool) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass

@@ -12,12 +12,14 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def validate_schedule(name: str, warmup_steps: int, min_lr_ratio: float) -> None:
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:
         raise ValueError(f"unknown lr_schedule {name!r}: choose one of {SCHEDULES}")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    # isfinite first: NaN passes no comparison, and a bool is not a ratio
+    if (isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float))
+            or not math.isfinite(min_lr_ratio) or not 0.0 <= min_lr_ratio <= 1.0):
+        raise ValueError(f"min_lr_ratio must be a finite number in [0, 1], got {min_lr_ratio!r}")
 
 
 def lr_at(step: int, base_lr: float, name: str = "constant", warmup_steps: int = 0,

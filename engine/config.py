@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from acco_loco.acco import PLANS
-from acco_loco.optim import OptimizerSpec
-from acco_loco.schedule import validate_schedule
+from acco_loco.optim import OPTIMIZERS, OptimizerSpec
+from acco_loco.schedule import SCHEDULES, validate_schedule
 
 ACCUMULATION_MODES = ("adaptive", "fixed")
 NAN_POLICIES = ("skip", "stop")
@@ -18,6 +21,7 @@ STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align", "codec",
                      "group_size", "error_storage", "scale_dtype")
 ERROR_STORAGES = ("int8", "fp32")
 SCALE_DTYPES = ("float32", "bfloat16")
+SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 
 @dataclass
@@ -65,7 +69,7 @@ class EngineConfig:
     timeout_s: float = 300.0  # a peer silent this long is reported as lost
     heartbeat_s: float = 1.0
     comm_chunks: int = 1  # split each collective into this many async pieces (gloo speed)
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | os.PathLike | None = None  # to_dict stores it as a str
     checkpoint_every: int = 0  # committed steps between checkpoints; 0 = never
     progress: bool = False  # a progress bar on rank 0
     record_timeline: bool = False  # per-round timestamps in engine.timeline
@@ -76,57 +80,23 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.strategy not in PLANS:
-            raise ValueError(f"unknown strategy {self.strategy!r}: choose one of {sorted(PLANS)}")
-        if self.accumulation not in ACCUMULATION_MODES:
-            raise ValueError(f"unknown accumulation {self.accumulation!r}: choose one of {ACCUMULATION_MODES}")
-        _positive_int("micro_batches", self.micro_batches)
-        _positive_int("max_steps", self.max_steps)
-        _positive_int("align", self.align)
-        _positive_int("comm_chunks", self.comm_chunks)
-        if self.max_micro_batches is not None:
-            _positive_int("max_micro_batches", self.max_micro_batches)
-            if self.max_micro_batches < self.micro_batches:
-                raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
-                                 f"({self.micro_batches}): raise it or lower micro_batches")
-        if isinstance(self.max_round_overhead, bool) or not isinstance(self.max_round_overhead, (int, float)) \
-                or not 0 <= self.max_round_overhead < 1:
-            raise ValueError(f"max_round_overhead must be a fraction in [0, 1) (0 turns it off), "
-                             f"got {self.max_round_overhead!r}")
-        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
-        if self.nan_policy not in NAN_POLICIES:
-            raise ValueError(f"unknown nan_policy {self.nan_policy!r}: choose one of {NAN_POLICIES}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}: choose one of {COMPUTE_DTYPES}")
-        if not self.timeout_s > 0 or not self.heartbeat_s > 0:
-            raise ValueError("timeout_s and heartbeat_s must be positive")
+        """Type and range of every field (the table _RULES), then the rules between fields.
+
+        Runs at construction; call it again after assigning a field.
+        """
+        for f in dataclasses.fields(self):
+            _RULES[f.name](f.name, getattr(self, f.name))
+        if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
+            raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
+                             f"({self.micro_batches}): raise it or lower micro_batches")
         if self.heartbeat_s * 3 > self.timeout_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most a third of timeout_s "
                              f"({self.timeout_s}) so that a lost peer is detected in time")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_every and not self.checkpoint_dir:
+        if self.checkpoint_every and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every is set but checkpoint_dir is not: give a directory")
-        from .compressed import PARAM_CODECS, parse_grad_codec
-
-        parse_grad_codec(self.codec)
-        if self.param_codec not in PARAM_CODECS:
-            raise ValueError(f"unknown param_codec {self.param_codec!r}: choose one of {PARAM_CODECS}")
-        _positive_int("group_size", self.group_size)
-        if self.group_size % 8:
-            raise ValueError(f"group_size must be a multiple of 8, got {self.group_size}")
-        if not 0.0 <= self.loco_beta < 1.0:
-            raise ValueError(f"loco_beta must lie in [0, 1), got {self.loco_beta}")
-        _positive_int("reset_period", self.reset_period)
-        if self.error_storage not in ERROR_STORAGES:
-            raise ValueError(f"unknown error_storage {self.error_storage!r}: choose one of {ERROR_STORAGES}")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"unknown scale_dtype {self.scale_dtype!r}: choose one of {SCALE_DTYPES}")
+        # the math layer checks its own inputs too; both must accept what the table accepts
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
-        self.optimizer_spec()  # validates the optimizer fields
+        self.optimizer_spec()
 
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,
@@ -136,20 +106,161 @@ class EngineConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        if self.checkpoint_dir is not None:
+            d["checkpoint_dir"] = os.fspath(self.checkpoint_dir)  # JSON has no paths
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"EngineConfig.from_dict needs a dict of fields, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown EngineConfig fields {sorted(unknown)}")
         d = dict(d)
-        if "betas" in d:
+        if isinstance(d.get("betas"), list):  # JSON has no tuples; anything else is validated as is
             d["betas"] = tuple(d["betas"])
         return cls(**d)
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+# ------------------------------------------------------------------------ the per-field rules
+Rule = Callable[[str, Any], None]  # (field name, value) -> None, or raises ValueError
+
+
+def _finite(value: Any) -> bool:
+    """An int or float (not a bool) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one field accepts: ``ok`` decides, ``allowed`` says it in the error message."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+
+    def __call__(self, name: str, value: Any) -> None:
+        if not self.ok(value):
+            raise ValueError(f"{name} must be {self.allowed}, got {value!r}")
+
+
+def _int(minimum: int) -> _Rule:
+    """An int (not a bool, not a float) >= minimum."""
+    allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    return _Rule(allowed, lambda v: _is_int(v) and v >= minimum)
+
+
+def _float(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False,
+           note: str = "") -> _Rule:
+    """A finite int or float (not a bool) in the interval; ``note`` says what a value means."""
+    if high == math.inf:
+        allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        allowed = f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if note:
+        allowed += f" ({note})"
+
+    def ok(v: Any) -> bool:
+        return (_finite(v) and (v > low if low_open else v >= low)
+                and (v < high if high_open else v <= high))
+
+    return _Rule(allowed, ok)
+
+
+def _optional(rule: _Rule, none_means: str) -> _Rule:
+    return _Rule(f"None ({none_means}) or {rule.allowed}", lambda v: v is None or rule.ok(v))
+
+
+def _choice(options: tuple[str, ...] | list[str]) -> Rule:
+    def check(name: str, value: Any) -> None:
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"unknown {name} {value!r}: choose one of {options}")
+
+    return check
+
+
+_bool = _Rule("True or False (a bool, not 0/1 or a string)", lambda v: isinstance(v, bool))
+
+_betas = _Rule("a pair (beta1, beta2) of finite numbers in [0, 1)",
+               lambda v: isinstance(v, (tuple, list)) and len(v) == 2
+               and all(_finite(b) and 0 <= b < 1 for b in v))
+
+_seed = _Rule("an integer in [0, 2**32)", lambda v: _is_int(v) and 0 <= v < SEED_LIMIT)
+
+_group_size = _Rule("a positive multiple of 8", lambda v: _is_int(v) and v > 0 and v % 8 == 0)
+
+_checkpoint_dir = _Rule("None or a non-empty path (a str or os.PathLike)",
+                        lambda v: v is None or isinstance(v, (str, os.PathLike))
+                        and isinstance(os.fspath(v), str) and os.fspath(v) != "")
+
+
+def _codec(name: str, value: Any) -> None:
+    from .compressed import parse_grad_codec  # imported at call time, as before
+
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
+    parse_grad_codec(value)  # its message lists the valid names
+
+
+def _param_codec(name: str, value: Any) -> None:
+    from .compressed import PARAM_CODECS
+
+    _choice(PARAM_CODECS)(name, value)
+
+
+# One line per field: adding a field to EngineConfig means adding its rule here.
+_RULES: dict[str, Rule] = {
+    "strategy": _choice(sorted(PLANS)),
+    "micro_batches": _int(1),
+    "accumulation": _choice(ACCUMULATION_MODES),
+    "max_micro_batches": _optional(_int(1), "no cap"),
+    "max_round_overhead": _float(0, 1, high_open=True, note="0 turns it off"),
+    "max_steps": _int(1),
+    "optimizer": _choice(OPTIMIZERS),
+    "lr": _float(0, low_open=True),
+    "betas": _betas,
+    "eps": _float(0, low_open=True),
+    "weight_decay": _float(0),
+    "momentum": _float(0, 1, high_open=True),
+    "nesterov": _bool,
+    "max_grad_norm": _optional(_float(0, low_open=True), "no clipping"),
+    "lr_schedule": _choice(SCHEDULES),
+    "warmup_steps": _int(0),
+    "min_lr_ratio": _float(0, 1),
+    "compute_dtype": _choice(COMPUTE_DTYPES),
+    "align": _int(1),
+    "nan_policy": _choice(NAN_POLICIES),
+    "seed": _seed,
+    "codec": _codec,
+    "param_codec": _param_codec,
+    "group_size": _group_size,
+    "loco_beta": _float(0, 1, high_open=True),
+    "reset_period": _int(1),
+    "error_storage": _choice(ERROR_STORAGES),
+    "scale_dtype": _choice(SCALE_DTYPES),
+    "stochastic_rounding": _bool,
+    "timeout_s": _float(0, low_open=True),
+    "heartbeat_s": _float(0, low_open=True),
+    "comm_chunks": _int(1),
+    "checkpoint_dir": _checkpoint_dir,
+    "checkpoint_every": _int(0),
+    "progress": _bool,
+    "record_timeline": _bool,
+    "poison_freed_buffers": _bool,
+    "keep_cpu_memory": _bool,
+}
+
+_unruled = {f.name for f in dataclasses.fields(EngineConfig)} ^ set(_RULES)
+if _unruled:  # fails at import, so a new field cannot skip validation
+    raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(_unruled)}: "
+                       "give every field exactly one rule in engine/config.py")

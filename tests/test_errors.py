@@ -13,8 +13,9 @@ from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "ddp"}, "unknown strategy 'ddp'"),
-    ({"lr": 0}, "lr must be a positive number"),
-    ({"lr": -1e-3}, "lr must be a positive number"),
+    ({"lr": 0}, "lr must be a finite number > 0"),
+    ({"lr": -1e-3}, "lr must be a finite number > 0"),
+    ({"lr": float("inf")}, "lr must be a finite number > 0, got inf"),
     ({"micro_batches": 0}, "micro_batches must be a positive integer"),
     ({"micro_batches": 1.5}, "micro_batches must be a positive integer"),
     ({"max_steps": 0}, "max_steps must be a positive integer"),
