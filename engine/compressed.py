@@ -1,7 +1,7 @@
 """Low-bit collectives: the compressed reduce-scatter and the delta parameter all-gather.
 
 Low-bit values cannot be summed inside gloo/NCCL, so the reduce-scatter is an all_to_all of
-packed slices that each owner dequantizes and sums in fp32 (DESIGN.md section 2). Each row a
+packed slices that each owner dequantizes and sums in fp32 (docs/DESIGN.md section 2). Each row a
 worker sends to owner j holds: the packed payload of shard j, its group scales, and the
 sender's micro-batch count (the weight). Workers send their *mean* micro-batch gradient, so the
 error state stays in one unit whatever the count of a round; the owner weights by the count.

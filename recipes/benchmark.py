@@ -6,7 +6,7 @@ Run as root (it builds a network-namespace testbed, see ``engine/testbed.py``)::
         --json bench.json --plot bench_loss.png --timeline bench_timeline.png
     python recipes/benchmark.py --hetero --rate 100mbit        # 3 workers, one at full speed
 
-What it does (DESIGN.md section 4):
+What it does (docs/DESIGN.md section 4):
 
 * builds a testbed of ``--workers`` namespaces, each behind a ``tbf`` link of ``--rate`` both
   ways (``--delay-ms`` needs the netem qdisc and is refused clearly where the kernel lacks it),
@@ -442,7 +442,7 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def add_derived(out: list[dict], workers: int, rate: str, micro_batch: int) -> None:
-    """Ratios against the reference and DESIGN.md section 4's overlap efficiency: the physical
+    """Ratios against the reference and docs/DESIGN.md section 4's overlap efficiency: the physical
     limit of a (median) step, max(its compute at the compute-only pace, its wire bytes over the
     link), over the measured median step time."""
     link = rate_bits_per_s(rate) / 8
