@@ -68,6 +68,8 @@ class KeptHalf:
     count: int  # global micro-batches behind it
     loss_sum: float
     samples: int = 0
+    skipped: bool = False  # the estimate half was non-finite: the whole step is skipped
+    bad_ranks: tuple[int, ...] = ()  # the ranks it came from, for the warning
 
 
 def step_gradient(kind: RoundKind, grad_sum: torch.Tensor, kept: KeptHalf | None) -> torch.Tensor:

@@ -93,6 +93,8 @@ class ErrorFeedback:
         self._codes: Tensor | None = None  # int8 storage: offset-binary codes
         self._scales: Tensor | None = None  # int8 storage: fp32 group scales
         self._zero = True  # e is known to be exactly 0 (fresh or just reset): skip the decode
+        self._marked: list[Tensor] | None = None  # mark()'s copy of the error tensors
+        self._marked_zero = True
         if kind == "none":
             return
         if storage == "fp32":
@@ -172,6 +174,31 @@ class ErrorFeedback:
             self.reset()
             return True
         return False
+
+    def mark(self) -> None:
+        """Remember the current error state, for :meth:`rollback` (one copy of the state,
+        kept between calls so that marking every step allocates nothing)."""
+        if not self.active:
+            return
+        live = [t for t in (self._e, self._codes, self._scales) if t is not None]
+        if self._marked is None:
+            self._marked = [t.clone() for t in live]
+        else:
+            for saved, t in zip(self._marked, live):
+                saved.copy_(t)
+        self._marked_zero = self._zero
+
+    def rollback(self) -> None:
+        """Go back to the state of the last :meth:`mark`: what a skipped optimizer step sent
+        must not leave an error behind (the step never happened)."""
+        if not self.active:
+            return
+        if self._marked is None:
+            raise RuntimeError("rollback() without a mark(): nothing to go back to")
+        live = [t for t in (self._e, self._codes, self._scales) if t is not None]
+        for saved, t in zip(self._marked, live):
+            t.copy_(saved)
+        self._zero = self._marked_zero
 
     def reset(self) -> None:
         """Set ``e = 0``."""
@@ -258,7 +285,7 @@ class ErrorFeedback:
         self._zero = not self.active
 
     def nbytes(self) -> int:
-        """Memory held by the error state."""
+        """Memory held by the error state (a mark()'s copy doubles it)."""
         return sum(t.numel() * t.element_size() for t in (self._e, self._codes, self._scales) if t is not None)
 
     def __repr__(self) -> str:

@@ -77,6 +77,11 @@ class ShardState:
         exp_avg_sq = torch.zeros_like(master) if spec.name == "adamw" else None
         return cls(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
 
+    def install(self, proposal: "ShardState") -> None:
+        """Take a proposed step's tensors as this state (no copy)."""
+        self.master, self.exp_avg, self.exp_avg_sq, self.step = (
+            proposal.master, proposal.exp_avg, proposal.exp_avg_sq, proposal.step)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg}
         if self.exp_avg_sq is not None:
@@ -84,58 +89,57 @@ class ShardState:
         return out
 
 
-def optimizer_step(
-    state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool
-) -> torch.Tensor:
-    """One optimizer step on a shard; returns the new fp32 parameters.
+def propose_step(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec) -> ShardState:
+    """The state one optimizer step gives, in new tensors; ``state`` is left untouched.
 
-    commit=True updates ``state`` in place (master, moments, step) and returns ``state.master``.
-    commit=False leaves ``state`` untouched and returns a new tensor.
+    The engine installs the proposal (``ShardState.install``) only once every rank's new
+    parameters are known to be finite, so a step that would overflow leaves no trace.
     """
     if grad.shape != state.master.shape:
         raise ValueError(f"gradient shard has shape {tuple(grad.shape)}, master has {tuple(state.master.shape)}")
     grad = grad.to(torch.float32)
     if spec.name == "adamw":
-        return _adamw(state, grad, lr, spec, commit)
-    return _sgd(state, grad, lr, spec, commit)
+        return _adamw(state, grad, lr, spec)
+    return _sgd(state, grad, lr, spec)
 
 
-def _adamw(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool) -> torch.Tensor:
+def optimizer_step(
+    state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool
+) -> torch.Tensor:
+    """One optimizer step on a shard; returns the new fp32 parameters.
+
+    commit=True installs the new state into ``state`` (master, moments, step) and returns
+    ``state.master``. commit=False leaves ``state`` untouched (ACCO's estimate step).
+    """
+    proposal = propose_step(state, grad, lr, spec)
+    if not commit:
+        return proposal.master
+    state.install(proposal)
+    return state.master
+
+
+def _adamw(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec) -> ShardState:
     beta1, beta2 = spec.betas
     step = state.step + 1
-    if commit:
-        exp_avg = state.exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq = state.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        params = state.master
-        state.step = step
-    else:
-        exp_avg = state.exp_avg.lerp(grad, 1 - beta1)
-        exp_avg_sq = state.exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-        params = state.master.clone()
-    params.mul_(1 - lr * spec.weight_decay)
+    exp_avg = state.exp_avg.lerp(grad, 1 - beta1)
+    exp_avg_sq = state.exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+    params = state.master.mul(1 - lr * spec.weight_decay)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(spec.eps)
     params.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-    return params
+    return ShardState(master=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step)
 
 
-def _sgd(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec, commit: bool) -> torch.Tensor:
+def _sgd(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec) -> ShardState:
     d_p = grad.add(state.master, alpha=spec.weight_decay) if spec.weight_decay else grad
+    buf = state.exp_avg
     if spec.momentum:
         # torch.optim.SGD seeds the buffer with the first gradient (no dampening here)
-        if state.step == 0:
-            buf = d_p.clone()
-        else:
-            buf = state.exp_avg.mul(spec.momentum).add_(d_p)
+        buf = d_p.clone() if state.step == 0 else state.exp_avg.mul(spec.momentum).add_(d_p)
         d_p = d_p.add(buf, alpha=spec.momentum) if spec.nesterov else buf
-        if commit:
-            state.exp_avg.copy_(buf)
-    params = state.master if commit else state.master.clone()
-    params.add_(d_p, alpha=-lr)
-    if commit:
-        state.step += 1
-    return params
+    params = state.master.add(d_p, alpha=-lr)
+    return ShardState(master=params, exp_avg=buf, exp_avg_sq=None, step=state.step + 1)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

@@ -21,6 +21,7 @@ from acco_loco.codecs import Codec, make_codec
 from acco_loco.feedback import ErrorFeedback
 
 from .comm import Comm
+from .flat import nonfinite_rows
 
 GRAD_FEEDBACK = {"int": "none", "sign": "none", "ef": "ef", "loco": "loco"}
 PARAM_CODECS = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -113,21 +114,32 @@ class CompressedParams:
         self.codec = make_codec(name, group_size=group_size, scale_dtype=scale_dtype)
         self.world = world
 
-    def all_gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor, rank: int) -> None:
-        """Update ``held`` (the full compute-param buffer every replica holds) in place."""
+    def all_gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor, rank: int) -> list[int]:
+        """Update ``held`` (the full compute-param buffer every replica holds) in place.
+
+        Returns the ranks whose new shard was not finite; ``held`` is then left untouched on
+        every replica (each sees the same gathered rows, so all decide alike)."""
         n = self.world
         shard = new_shard.numel()
         mine = held[rank * shard:(rank + 1) * shard].to(torch.float32)
-        payload, scales = self.codec.encode(new_shard.to(torch.float32) - mine)
+        delta = new_shard.to(torch.float32) - mine
+        payload, scales = self.codec.encode(delta, check_finite=False)
+        if nonfinite_rows(delta.view(1, -1)):
+            scales.fill_(float("nan"))  # a NaN group would encode as scale 0: say it in the scales
         row = torch.cat([payload, _scale_bytes(scales)])
         rows = torch.empty((n, row.numel()), dtype=torch.uint8, device=row.device)
         comm.all_gather(row, rows.view(-1))
         p_len = payload.numel()
+        row_scales = rows[:, p_len:].contiguous().view(scales.dtype)
+        bad = nonfinite_rows(row_scales)
+        if bad:
+            return bad
         delta = torch.empty(shard, dtype=torch.float32, device=held.device)
         for j in range(n):
-            self.codec.decode(rows[j, :p_len].contiguous(), rows[j, p_len:].contiguous().view(scales.dtype), out=delta)
+            self.codec.decode(rows[j, :p_len].contiguous(), row_scales[j], out=delta)
             view = held[j * shard:(j + 1) * shard]
             view.copy_(view.to(torch.float32).add_(delta))
+        return []
 
 
 def build_codecs(cfg, padded: int, world: int, device: torch.device, rank: int):

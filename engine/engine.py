@@ -54,6 +54,14 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
+def _may_be_peer_failure(exc: BaseException) -> bool:
+    """Collective and time-out failures may come from a lost peer; a TypeError in a codec cannot."""
+    import torch.distributed as dist
+
+    peer_errors = (TimeoutError, ConnectionError, getattr(dist, "DistError", RuntimeError))
+    return isinstance(exc, peer_errors) or type(exc) is RuntimeError
+
+
 def batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
@@ -165,6 +173,11 @@ class Engine:
             raise RuntimeError("this engine was closed: build a new one")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
+        if self.step >= self.cfg.max_steps:
+            raise RuntimeError(
+                f"the engine is at step {self.step}, its max_steps is {self.cfg.max_steps}: nothing to "
+                f"train. To continue a saved run, load it with a new horizon: "
+                f"Engine.load(directory, model, loss_fn=..., max_steps={self.step + self.cfg.max_steps})")
         self._stop_at = self.cfg.max_steps if steps is None else min(self.cfg.max_steps, self.step + steps)
         first = len(self.history)
         it = iter(batches)
@@ -272,7 +285,8 @@ class Engine:
         req = RoundRequest(
             index=self.round_index, kind=self.plan.kind(self.round_index), step_index=self.step,
             grad_index=self.flat.active, count=self._count, samples=self._samples,
-            loss_sum=self._loss_sum.clone(), exhausted=exhausted)
+            loss_sum=self._loss_sum.clone(), exhausted=exhausted,
+            first_of_step=self.round_index % self.plan.rounds_per_step == 0)
         handle = self.worker.submit(req.index, partial(run_round, self, req))
         self._submitted_at = time.perf_counter()
         self.round_index += 1
@@ -290,12 +304,11 @@ class Engine:
         """Wait for a round, install its parameters, record a committed step; True to stop."""
         try:
             result: RoundResult = handle.wait(self.cfg.timeout_s)
-        except NonFiniteGradientError:
-            raise
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        except Exception as exc:
+            err = self._explain(exc, f"round {handle.index} on rank {self.rank}")
+            if err is exc:
                 raise
-            raise self.watchdog.diagnose(f"round {handle.index} on rank {self.rank}") from exc
+            raise err from exc
         with torch.no_grad():
             self.flat.data.copy_(self.gather_buf)
         # what the other threads (comm, gloo) used since the last round ended: on CPU it is
@@ -325,11 +338,13 @@ class Engine:
             "step": self.step, "loss": result.loss, "lr": result.lr, "samples": result.samples,
             "micro_batches": self._step_local, "global_micro_batches": result.count,
             "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
-            "skipped": result.skipped, "rounds": self._step_rounds,
+            "skipped": result.skipped, "bad_ranks": result.bad_ranks, "rounds": self._step_rounds,
             "min_micro_batches": self.pacer.current,
         }
         if result.skipped:
-            log.warning("step %d skipped: non-finite gradient from rank(s) %s", self.step, result.bad_ranks)
+            log.warning("step %d skipped: %s rank(s) %s; the master, the optimizer state and the "
+                        "error feedback are as before the step", self.step, result.skip_reason or
+                        "non-finite gradient from", result.bad_ranks or "unknown (the reduced sum overflowed)")
         self.history.append(entry)
         self._clock = now
         self._step_rounds = self._step_local = self._step_bytes = 0
@@ -342,6 +357,17 @@ class Engine:
         log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
                     "accumulated on this rank stay pending and are used if fit() continues",
                     self.step, ranks, self._count)
+
+    def _explain(self, exc: Exception, where: str) -> Exception:
+        """The error a user should see for a failed round: the round's own exception (with
+        where it happened), or WorkerLostError when the failure is a peer that died or stalled."""
+        if self.world_size > 1 and _may_be_peer_failure(exc):
+            lost = self.watchdog.diagnose(where)
+            if lost.ranks or isinstance(exc, TimeoutError):
+                return lost
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"(raised on the communication side: {where})")
+        return exc
 
     def _require_quiescent(self, what: str) -> None:
         if self._inflight is not None:

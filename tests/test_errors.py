@@ -121,3 +121,10 @@ def test_clipping_and_schedule_are_applied():
     # plain SGD: every step moves the params by lr_t * (clipped norm) at most
     moved = float((flat_params(engine.model) - before).norm())
     assert 0.5 * 1e-3 * lrs[0] < moved <= 1e-3 * sum(lrs) * (1 + 1e-5)
+
+
+def test_progress_bar_reaches_the_last_step(capsys):
+    engine = Engine(tiny_model(), EngineConfig(max_steps=3, align=8, progress=True, accumulation="fixed"), mse_loss)
+    engine.fit(worker_stream(0, 40))
+    engine.close()
+    assert "3/3" in capsys.readouterr().err  # it used to stop at 2/3
