@@ -70,7 +70,6 @@ from engine.models import (  # noqa: E402
 
 TINY_MODEL = "tiny-gpt2"  # randomly initialised small GPT-2 + byte tokenizer (tests, demos)
 ENGINE_DEFAULTS = EngineConfig()  # where the recipe follows the engine, it reads its default here
-# every name parse_grad_codec accepts: none, int8/4/2, sign1, ef8/4/2/1, loco8/4/2/1
 
 
 def _grad_codec_names() -> tuple[str, ...]:
@@ -89,11 +88,15 @@ def _grad_codec_names() -> tuple[str, ...]:
 GRAD_CODECS = _grad_codec_names()
 REPORT_TO = ("none", "tensorboard", "wandb")
 TRACKER_PROJECT = "acco-loco-finetune"  # tensorboard run folder under OUT/tensorboard, wandb project
+# the metrics.jsonl values --report-to sends, and their names there
+TRACKED = {"train": {"loss": "train/loss", "lr": "train/lr", "samples_total": "train/samples_total",
+                     "grad_norm": "train/grad_norm", "elapsed_s": "train/elapsed_s"},
+           "eval": {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}}
 
 
-def _opt(default, help: str, choices=None):
+def _opt(default, text: str, choices=None):
     """A FinetuneConfig field: its default, its --help text and (for a closed set) its choices."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": text, "choices": choices})
 
 
 @dataclass
@@ -226,7 +229,10 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     if has_ckpt:
         if not saved_file.is_file():
             raise RecipeError(f"{out} holds checkpoints but no config.json: use another --output-dir")
-        saved = json.loads(saved_file.read_text())
+        try:
+            saved = json.loads(saved_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{saved_file} is corrupt ({exc}): use another --output-dir") from exc
         diff = [k for k in dataclasses.asdict(cfg) if k not in RESUMABLE_FIELDS and saved.get(k) != getattr(cfg, k)]
         if diff:
             raise RecipeError(
@@ -432,10 +438,7 @@ def run(cfg: FinetuneConfig) -> None:
         """One metrics.jsonl line, and the same numbers to the tracker (main process only)."""
         with open(metrics_file, "a") as f:
             f.write(json.dumps(row) + "\n")
-        prefix = row["kind"] + "/"
-        keys = (("loss", "lr", "samples_total", "grad_norm", "elapsed_s") if row["kind"] == "train"
-                else ("eval_loss", "eval_ppl"))
-        accelerator.log({prefix + k.removeprefix("eval_"): row[k] for k in keys if row.get(k) is not None},
+        accelerator.log({name: row[k] for k, name in TRACKED[row["kind"]].items() if row.get(k) is not None},
                         step=row["step"])
 
     def log_eval(tag: str) -> float:
@@ -451,7 +454,9 @@ def run(cfg: FinetuneConfig) -> None:
     model.train()
     while engine.step < cfg.max_steps:
         # fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon
-        steps = cfg.max_steps - engine.step if not cfg.eval_every else cfg.eval_every - engine.step % cfg.eval_every
+        steps = cfg.max_steps - engine.step
+        if cfg.eval_every:
+            steps = min(steps, cfg.eval_every - engine.step % cfg.eval_every)
         start = engine.step
         elapsed = time.perf_counter() - t0  # each step's elapsed_s adds its time_s to this
         history = engine.fit(data, steps=steps)

@@ -71,7 +71,8 @@ def test_bad_output_dir_fails_before_the_model_loads(tmp_path, case):
     t = time.perf_counter()
     r = run_recipe(["--output-dir", str(path)])
     assert r.returncode == 2, r.stderr[-2000:]
-    assert error_lines(r) == [error_lines(r)[0]] and error_lines(r)[0].startswith(f"finetune: error: --output-dir {path}: ")
+    lines = error_lines(r)
+    assert len(lines) == 1 and lines[0].startswith(f"finetune: error: --output-dir {path}: "), r.stderr
     assert why in r.stderr
     assert "worker(s)" not in r.stdout  # nothing was loaded
     assert time.perf_counter() - t < 30
