@@ -117,7 +117,7 @@ class FinetuneConfig:
     strategy: str = _opt("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one step "
                          "stale); acco = estimate + commit rounds that overlap communication with compute",
                          tuple(PLANS))
-    codec: str = _opt("loco4", "gradients on the wire: none (full precision), int<bits> (plain), ef<bits> "
+    codec: str = _opt("loco4", "gradients on the wire: none (uncompressed), int<bits> (plain), ef<bits> "
                       "(classic error feedback), loco<bits> (LoCo error compensation), sign1 (sign x RMS)",
                       GRAD_CODECS)
     param_codec: str = _opt("int8", "parameter updates on the wire: auto (the compute dtype), float32, bfloat16, "
@@ -154,7 +154,7 @@ class FinetuneConfig:
     report_to: str = _opt("none", "also log the metrics.jsonl values to tensorboard (OUT/tensorboard) or "
                           "wandb (OUT/wandb; offline unless WANDB_MODE is set); needs that package "
                           "(pip install -e '.[track]')", REPORT_TO)
-    seed: int = _opt(0, "seed of model init (tiny-gpt2), data order and stochastic rounding")
+    seed: int = _opt(0, "seed of the tiny-gpt2 init, the data order and the engine")
     timeout_s: float = _opt(300.0, "seconds a silent peer may take before the run stops with an error")
 
 
