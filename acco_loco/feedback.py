@@ -200,6 +200,26 @@ class ErrorFeedback:
             t.copy_(saved)
         self._zero = self._marked_zero
 
+    def mark_state_dict(self) -> dict[str, Tensor]:
+        """The marked state (for a checkpoint taken between the two rounds of an ACCO step,
+        where a later rollback still needs it); empty when nothing is marked."""
+        if self._marked is None:
+            return {}
+        names = [k for k, t in (("e", self._e), ("e_codes", self._codes), ("e_scales", self._scales)) if t is not None]
+        out = dict(zip(names, (t.detach() for t in self._marked)))
+        out["zero"] = torch.tensor([self._marked_zero])
+        return out
+
+    def load_mark_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore what :meth:`mark_state_dict` returned (same configuration)."""
+        self.mark()  # allocates the copy with the right shapes
+        names = [k for k, t in (("e", self._e), ("e_codes", self._codes), ("e_scales", self._scales)) if t is not None]
+        for saved, name in zip(self._marked, names):
+            if name not in state or state[name].shape != saved.shape or state[name].dtype != saved.dtype:
+                raise ValueError(f"marked error-feedback state lacks a matching {name!r}")
+            saved.copy_(state[name])
+        self._marked_zero = bool(state["zero"].reshape(-1)[0])
+
     def reset(self) -> None:
         """Set ``e = 0``."""
         if self._e is not None:

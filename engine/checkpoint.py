@@ -313,13 +313,17 @@ def _rank_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     kept = engine._kept
     if kept is not None:
         tensors["kept_grad_sum"] = kept.grad_sum.detach().cpu().contiguous()
+        if engine.grad_codec is not None:  # a skipped commit must still roll back to the step's start
+            for k, v in engine.grad_codec.feedback.mark_state_dict().items():
+                tensors[f"feedback_mark.{k}"] = v.cpu().contiguous()
     meta = {
         "rank": engine.rank, "world_size": engine.world_size, "step": engine.step,
         "opt_step": state.step, "round_index": engine.round_index, "consumed": engine.consumed,
         "pending_count": engine._count, "pending_samples": engine._samples,
         "pending_loss": float(engine._loss_sum), "shard_size": engine.flat.shard_size,
         "numel": engine.flat.numel,
-        "kept": None if kept is None else {"count": kept.count, "loss_sum": kept.loss_sum, "samples": kept.samples},
+        "kept": None if kept is None else {"count": kept.count, "loss_sum": kept.loss_sum, "samples": kept.samples,
+                                           "skipped": kept.skipped, "bad_ranks": list(kept.bad_ranks)},
     }
     return tensors, meta
 
@@ -363,4 +367,8 @@ def _restore_rank_state(engine, file: Path, required: bool) -> None:
     engine._loss_sum = torch.tensor(meta["pending_loss"], dtype=torch.float32, device=dev)
     if meta["kept"] is not None:
         k = meta["kept"]
-        engine._kept = KeptHalf(tensors["kept_grad_sum"].to(dev), k["count"], k["loss_sum"], k["samples"])
+        engine._kept = KeptHalf(tensors["kept_grad_sum"].to(dev), k["count"], k["loss_sum"], k["samples"],
+                                skipped=k.get("skipped", False), bad_ranks=tuple(k.get("bad_ranks", ())))
+        mark = {n[len("feedback_mark."):]: v.to(dev) for n, v in tensors.items() if n.startswith("feedback_mark.")}
+        if mark and engine.grad_codec is not None:
+            engine.grad_codec.feedback.load_mark_state_dict(mark)

@@ -32,7 +32,7 @@ from .flat import FlatParams
 from .pacing import Pacer
 from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
 from .streams import CommWorker, RoundHandle
-from .watchdog import Watchdog
+from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 
 log = logging.getLogger("acco_loco")
 
@@ -194,8 +194,8 @@ class Engine:
                         bar.set_postfix(loss=f"{h['loss']:.4f}", samples_s=f"{h['samples'] / max(h['time_s'], 1e-9):.1f}")
                 if stop:
                     break
-        except BaseException:
-            self._abort()
+        except BaseException as exc:
+            self._abort(EXIT_PEER if isinstance(exc, WorkerLostError) else EXIT_ERROR)
             raise
         finally:
             if bar is not None:
@@ -373,10 +373,10 @@ class Engine:
         if self._inflight is not None:
             raise RuntimeError(f"cannot {what} while a round is in flight")
 
-    def _abort(self) -> None:
-        """After an error: stop heartbeats so peers see this rank as gone, never hang here."""
+    def _abort(self, reason: str) -> None:
+        """After an error: stop heartbeats, telling peers why, never hang here."""
         self._inflight = None
-        self.watchdog.close()
+        self.watchdog.close(reason)
 
     def _progress_bar(self):
         if not self.cfg.progress or self.rank != 0:

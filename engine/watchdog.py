@@ -12,6 +12,12 @@ import threading
 import time
 
 
+# why a rank closed its engine, published with its last heartbeat
+EXIT_DONE = "done"
+EXIT_ERROR = "error"  # an error of its own: the peers name it
+EXIT_PEER = "peer"  # it failed because a peer was lost: the peers look further
+
+
 class WorkerLostError(RuntimeError):
     """A peer died or stalled; ``ranks`` names it (empty when it could not be told)."""
 
@@ -39,9 +45,9 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/hb/{rank}"
 
-    def _publish(self) -> None:
+    def _publish(self, exit_reason: str = "") -> None:
         self._beat += 1
-        self.store.set(self._key(self.rank), f"{self._beat} {self.round}")
+        self.store.set(self._key(self.rank), f"{self._beat} {self.round} {exit_reason}".rstrip())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -50,15 +56,16 @@ class Watchdog:
             except Exception:
                 return  # the store is gone; diagnose() will say so
 
-    def _read(self) -> dict[int, tuple[int, int] | None]:
-        seen: dict[int, tuple[int, int] | None] = {}
+    def _read(self) -> dict[int, tuple[int, int, str] | None]:
+        """rank -> (heartbeat count, last submitted round, why it closed its engine or "")."""
+        seen: dict[int, tuple[int, int, str] | None] = {}
         for r in range(self.world_size):
             key = self._key(r)
             if not self.store.check([key]):
                 seen[r] = None
                 continue
-            beat, rnd = self.store.get(key).decode().split()
-            seen[r] = (int(beat), int(rnd))
+            beat, rnd, *rest = self.store.get(key).decode().split()
+            seen[r] = (int(beat), int(rnd), rest[0] if rest else "")
         return seen
 
     def diagnose(self, waiting_for: str) -> WorkerLostError:
@@ -73,21 +80,34 @@ class Watchdog:
             return WorkerLostError(
                 f"{waiting_for} failed and the rendezvous store is unreachable ({exc}): rank 0 "
                 "(which hosts the store unless a launcher agent does) is lost", [0])
+        # a peer that closed its engine (done, after an error of its own, or after naming a lost
+        # peer itself) stopped beating on purpose: it is not the one that was lost
         lost = [r for r in range(self.world_size) if r != self.rank
-                and (second[r] is None or first[r] is None or second[r][0] == first[r][0])]
+                and (second[r] is None or first[r] is None or (second[r][0] == first[r][0] and not second[r][2]))]
         if lost:
             return WorkerLostError(
                 f"{waiting_for} failed: lost rank(s) {lost}: no heartbeat for "
                 f"{2.5 * self.interval_s:.1f} s (the process died or its host is unreachable)", lost)
-        rounds = {r: v[1] for r, v in second.items() if v is not None}
+        rounds = {r: v[1] for r, v in second.items() if v is not None and not v[2]}
         behind = [r for r, rnd in rounds.items() if rnd < self.round]
         if behind:
             return WorkerLostError(
                 f"{waiting_for} failed: stalled rank(s) {behind} (last submitted round "
                 f"{[rounds[r] for r in behind]} while rank {self.rank} waits in round {self.round})", behind)
+        left = [r for r, v in second.items() if r != self.rank and v is not None and v[2] == EXIT_ERROR]
+        if left:
+            return WorkerLostError(
+                f"{waiting_for} failed: rank(s) {left} closed their engine (after an error of their own: "
+                "see their output)", left)
         return WorkerLostError(f"{waiting_for} failed while every peer is alive and in step", [])
 
-    def close(self) -> None:
+    def close(self, reason: str = EXIT_DONE) -> None:
+        """Stop beating and tell the peers why this rank left (EXIT_*)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s)
+            self._thread = None
+            try:
+                self._publish(reason)
+            except Exception:
+                pass  # the store is gone with rank 0: nobody is left to tell

@@ -64,7 +64,7 @@ def test_codec_bug_on_one_rank_names_it_to_the_others():
     for r in (0, 1):
         res = out[r]["out"]
         assert res["type"] == "WorkerLostError", res
-        assert "lost rank(s) [2]" in res["message"], res
+        assert "rank(s) [2] closed their engine (after an error of their own" in res["message"], res
 
 
 def test_fit_at_max_steps_says_how_to_go_on(tmp_path):

@@ -120,3 +120,33 @@ def test_nonfinite_update_world_1():
     res = overflowing_run(0, 1, "auto", "skip")
     assert all(h["skipped"] for h in res["history"]) and res["master_kept"] and res["params_kept"]
     assert math.isnan(res["history"][0]["grad_norm"])
+
+
+def test_save_between_a_bad_estimate_and_its_commit_resumes_exactly(tmp_path):
+    """Saved after a NaN estimate half: the resumed commit is still skipped and rolls the error
+    state back to the step's start, exactly as an uninterrupted run does."""
+    cfg = dict(strategy="acco", codec="loco4", micro_batches=1, accumulation="fixed", max_steps=3,
+               lr=1e-2, align=8, group_size=8)
+    stream = worker_stream(0, 8)
+
+    def run(pieces):
+        engine, history, at = None, [], 0
+        for i, n in enumerate(pieces):
+            if engine is None:
+                engine = Engine(tiny_model(0), EngineConfig(**cfg), nan_on(0, 0, 3))
+            else:
+                engine.save(str(tmp_path / "ck"))
+                engine.close()
+                engine = Engine.load(str(tmp_path / "ck"), tiny_model(5), loss_fn=nan_on(0, 0, 3 - at))
+            history += engine.fit(stream[at:at + n])
+            at += n
+        snap = state_snapshot(engine)
+        engine.close()
+        return history, snap
+
+    straight, end = run([6])
+    resumed, end_resumed = run([3, 3])  # the 3rd micro-batch is step 2's estimate half
+    assert [h["skipped"] for h in straight] == [False, True, False]
+    assert [h["skipped"] for h in resumed] == [False, True, False]
+    for key in end:
+        assert torch.equal(end[key], end_resumed[key]), key
