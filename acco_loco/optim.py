@@ -35,19 +35,19 @@ class OptimizerSpec:
         if not isinstance(self.name, str) or self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}: choose one of {OPTIMIZERS}")
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
-                and all(_finite(b) and 0.0 <= b < 1.0 for b in self.betas)):
+                and all(finite_number(b) and 0.0 <= b < 1.0 for b in self.betas)):
             raise ValueError(f"betas must be a pair (beta1, beta2) of finite numbers in [0, 1), got {self.betas!r}")
-        if not (_finite(self.eps) and self.eps > 0):
+        if not (finite_number(self.eps) and self.eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
-        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+        if not (finite_number(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if not (_finite(self.momentum) and 0.0 <= self.momentum < 1.0):
+        if not (finite_number(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ValueError(f"momentum must be a finite number in [0, 1), got {self.momentum!r}")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
 
 
-def _finite(value) -> bool:
+def finite_number(value) -> bool:
     """An int or float (not a bool) that is finite as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from acco_loco.acco import PLANS
-from acco_loco.optim import OPTIMIZERS, OptimizerSpec
+from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
 from acco_loco.schedule import SCHEDULES, validate_schedule
 
 ACCUMULATION_MODES = ("adaptive", "fixed")
@@ -126,16 +126,6 @@ class EngineConfig:
 
 # ------------------------------------------------------------------------ the per-field rules
 Rule = Callable[[str, Any], None]  # (field name, value) -> None, or raises ValueError
-
-
-def _finite(value: Any) -> bool:
-    """An int or float (not a bool) that is finite as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 def _is_int(value: Any) -> bool:

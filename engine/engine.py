@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
 from .pacing import Pacer
-from .rounds import NonFiniteGradientError, RoundRequest, RoundResult, run_round
+from .rounds import RoundRequest, RoundResult, run_round
 from .streams import CommWorker, RoundHandle
 from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from acco_loco.schedule import lr_at
+from tests.texts import text_folder
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -31,16 +31,6 @@ def run_recipe(args: list[str], timeout: int = 120) -> subprocess.CompletedProce
         env.pop(var, None)  # one process on its own, whatever launched pytest
     return subprocess.run([sys.executable, str(RECIPE)] + args, cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def text_folder(folder: Path) -> Path:
-    rng = random.Random(0)
-    words = ("to be or not that is the question whether tis nobler in the mind to suffer "
-             "the slings and arrows of outrageous fortune").split()
-    folder.mkdir()
-    for i in range(3):  # ~8 KB each; the last one is held out
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(1500)))
-    return folder
 
 
 def tiny_args(data: Path, out: Path) -> list[str]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.texts import text_folder
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -45,23 +46,13 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _text(folder: Path) -> Path:
-    rng = random.Random(0)
-    words = ("to be or not that is the question whether tis nobler in the mind to suffer "
-             "the slings and arrows of outrageous fortune").split()
-    folder.mkdir()
-    for i in range(3):  # ~8 KB each; the last one is held out
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(1500)))
-    return folder
-
-
 def _train_steps(metrics: Path) -> list[int]:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [r["step"] for r in rows if r["kind"] == "train"]
 
 
 def test_recipe_two_processes_resume_and_refusals(tmp_path):
-    data = _text(tmp_path / "text")
+    data = text_folder(tmp_path / "text")
     out = tmp_path / "out"
     common = ["--model", "tiny-gpt2", "--dataset", str(data), "--seq-len", "64",
               "--micro-batch-size", "4", "--train-layers", "2", "--eval-batches", "4",
