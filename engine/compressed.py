@@ -53,6 +53,14 @@ def codec_for_bits(bits: int, group_size: int, scale_dtype: str) -> Codec:
     return make_codec(name, group_size=group_size, scale_dtype=scale_dtype)
 
 
+def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret received bytes as ``dtype``; a slice at an odd offset (sign1's payload is
+    1/8 byte a value) is copied first, since a view needs the offset aligned to the dtype."""
+    if not raw.is_contiguous() or raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone(memory_format=torch.contiguous_format)
+    return raw.view(dtype)
+
+
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return scales.contiguous().view(torch.uint8)
 
@@ -98,10 +106,10 @@ class CompressedGrads:
         out = torch.zeros(shard, dtype=torch.float32, device=full.device)
         part = torch.empty(shard, dtype=torch.float32, device=full.device)
         for row in received:
-            w = float(row[p_len + s_len:].contiguous().view(torch.float32))
+            w = float(_bytes_as(row[p_len + s_len:], torch.float32))
             if w == 0.0:
                 continue
-            row_scales = row[p_len:p_len + s_len].contiguous().view(scales.dtype)
+            row_scales = _bytes_as(row[p_len:p_len + s_len], scales.dtype)
             self.codec.decode(row[:p_len].contiguous(), row_scales, out=part)
             out.add_(part, alpha=w)
         return out
@@ -130,7 +138,7 @@ class CompressedParams:
         rows = torch.empty((n, row.numel()), dtype=torch.uint8, device=row.device)
         comm.all_gather(row, rows.view(-1))
         p_len = payload.numel()
-        row_scales = rows[:, p_len:].contiguous().view(scales.dtype)
+        row_scales = _bytes_as(rows[:, p_len:], scales.dtype)
         bad = nonfinite_rows(row_scales)
         if bad:
             return bad

@@ -59,7 +59,7 @@ def poisoned_run(rank: int, world: int, strategy: str, codec: str, batch_index: 
 
 # rank 1's 5th micro-batch is the estimate half of step 2 under acco (rounds of 2 micro-batches,
 # two rounds a step); its 7th the commit half. Under zero1/dpu the 3rd is in step 2.
-CASES = [("acco", codec, 5) for codec in ("none", "int4", "ef4", "loco4")] + [
+CASES = [("acco", codec, 5) for codec in ("none", "int4", "ef4", "loco4", "sign1")] + [
     ("acco", "loco4", 7), ("acco", "none", 7), ("zero1", "loco4", 3), ("dpu", "ef8", 3)]
 
 
