@@ -1,6 +1,6 @@
 """Check what gloo gets out of a shaped testbed link.
 
-Builds an engine.testbed.Testbed, runs gloo all_to_all_single of --mbytes per rank --iters
+Builds an benchmarks.testbed.Testbed, runs gloo all_to_all_single of --mbytes per rank --iters
 times, each all_to_all split into 1, 8 and 16 pieces issued asynchronously (one large gloo
 collective reaches only about half the line rate, docs/DESIGN.md section 4), and prints the achieved rate per
 chunking next to the shaped rate (the physical limit), the TCP goodput ceiling, and the veth
@@ -105,7 +105,7 @@ def main() -> None:
         return worker(a)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engine.testbed import LinkSpec, Testbed, requires_root_reason
+    from benchmarks.testbed import LinkSpec, Testbed, requires_root_reason
 
     reason = requires_root_reason(delay=a.delay_ms > 0)
     if reason:

@@ -1,6 +1,6 @@
 """LoCo quality check: does 4-bit compensated communication train as well as fp32 ZeRO-1?
 
-Trains a randomly initialised GPT-2-shaped model (``engine.models.tiny_gpt2``, byte vocabulary)
+Trains a randomly initialised GPT-2-shaped model (``lm.models.tiny_gpt2``, byte vocabulary)
 on the shipped Shakespeare plays (Hamlet held out) at world size 2 in real gloo process groups,
 once per mode, with the same seed, data order, learning rate and schedule:
 
@@ -60,9 +60,9 @@ class QualityConfig:
 def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
 
     from engine import Engine, EngineConfig
-    from engine.data import (ByteTokenizer, TokenBatches, eval_batches, eval_loss, hf_lm_loss,
+    from lm.data import (ByteTokenizer, TokenBatches, eval_batches, eval_loss, hf_lm_loss,
                              load_text_documents, split_heldout, tokenize_documents)
-    from engine.models import tiny_gpt2
+    from lm.models import tiny_gpt2
 
     qc = QualityConfig(**qc_dict)
     tok = ByteTokenizer()

@@ -86,7 +86,7 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def build_data(spec: dict, rank: int, world: int):
-    from engine.data import (ByteTokenizer, TokenBatches, eval_batches, load_text_documents,
+    from lm.data import (ByteTokenizer, TokenBatches, eval_batches, load_text_documents,
                              split_heldout, tokenize_documents)
 
     tok = ByteTokenizer()
@@ -99,7 +99,7 @@ def build_data(spec: dict, rank: int, world: int):
 
 
 def build_model(spec: dict, vocab: int):
-    from engine.models import tiny_gpt2
+    from lm.models import tiny_gpt2
 
     return tiny_gpt2(vocab_size=vocab, n_layer=spec["n_layer"], n_embd=spec["n_embd"],
                      n_head=spec["n_head"], n_positions=spec["seq_len"] + 1, seed=spec["seed"])
@@ -125,7 +125,7 @@ class Snapshots:
             self.next += 1  # a coarse step may cross several points: one snapshot for them
 
     def evaluate(self, model: torch.nn.Module, held, rank: int, world: int) -> list[dict]:
-        from engine.data import eval_loss
+        from lm.data import eval_loss
 
         out = []
         for i, snap in enumerate(self.taken):
@@ -141,7 +141,7 @@ class Snapshots:
 
 def run_compute(spec: dict) -> dict:
     """fwd+bwd of ``compute_micro_batches`` micro-batches at world size 1, no optimizer, no comm."""
-    from engine.data import hf_lm_loss
+    from lm.data import hf_lm_loss
 
     rank = int(os.environ.get("TESTBED_RANK", "0"))
     world = int(os.environ.get("TESTBED_WORLD_SIZE", "1"))
@@ -160,7 +160,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine.data import hf_lm_loss
+    from lm.data import hf_lm_loss
 
     acc, psgd_rank = DDP_MODES[spec["mode"]]
     tok, stream, held = build_data(spec, rank, world)
@@ -246,7 +246,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
 def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from acco_loco.acco import RoundKind
     from engine import Engine, EngineConfig
-    from engine.data import hf_lm_loss
+    from lm.data import hf_lm_loss
 
     tok, stream, held = build_data(spec, rank, world)
     model = build_model(spec, len(tok))

@@ -1,6 +1,6 @@
 """Side-by-side benchmark over real shaped links: torch DDP peers against this engine's modes.
 
-Run as root (it builds a network-namespace testbed, see ``engine/testbed.py``)::
+Run as root (it builds a network-namespace testbed, see ``benchmarks/testbed.py``)::
 
     python recipes/benchmark.py --workers 2 --rate 100mbit --seeds 1 --samples 1536 \\
         --json bench.json --plot bench_loss.png --timeline bench_timeline.png
@@ -660,7 +660,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(args)
-    from engine.testbed import LinkSpec, Testbed, TestbedError, requires_root_reason
+    from benchmarks.testbed import LinkSpec, Testbed, TestbedError, requires_root_reason
 
     reason = requires_root_reason(delay=args.delay_ms > 0)
     if reason:

@@ -49,7 +49,7 @@ from engine import Engine, EngineConfig  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
 from engine.compressed import GRAD_FEEDBACK, PARAM_CODECS, parse_grad_codec  # noqa: E402
 from engine.config import ACCUMULATION_MODES, COMPUTE_DTYPES  # noqa: E402
-from engine.data import (  # noqa: E402
+from lm.data import (  # noqa: E402
     ByteTokenizer,
     TokenBatches,
     eval_batches,
@@ -59,7 +59,7 @@ from engine.data import (  # noqa: E402
     split_heldout,
     tokenize_documents,
 )
-from engine.models import (  # noqa: E402
+from lm.models import (  # noqa: E402
     SMOLLM2_PIP,
     bf16_supported_on_cpu,
     freeze_all_but_top,
@@ -496,7 +496,7 @@ def run(cfg: FinetuneConfig) -> None:
 
 
 def _n_blocks(model) -> int:
-    from engine.models import transformer_blocks
+    from lm.models import transformer_blocks
 
     return len(transformer_blocks(model))
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from engine.testbed import requires_root_reason
+from benchmarks.testbed import requires_root_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "recipes", "benchmark.py")

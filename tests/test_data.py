@@ -1,4 +1,4 @@
-"""Tests for engine.data: corpora, held-out split, tokenization, deterministic micro-batches."""
+"""Tests for lm.data: corpora, held-out split, tokenization, deterministic micro-batches."""
 
 import importlib.util
 import math
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from engine.data import (
+from lm.data import (
     ByteTokenizer,
     TokenBatches,
     eval_batches,
@@ -264,7 +264,7 @@ def test_eval_batches_are_fixed_and_cover_every_target_once():
 
 
 def _tiny_model():
-    from engine.models import tiny_gpt2
+    from lm.models import tiny_gpt2
 
     return tiny_gpt2(n_layer=2, n_embd=32, n_head=2, n_positions=64, seed=0)
 

@@ -1,4 +1,4 @@
-"""Tests for engine.models: loading, tiny GPT-2, freezing, precision helpers, atomic saving."""
+"""Tests for lm.models: loading, tiny GPT-2, freezing, precision helpers, atomic saving."""
 
 import importlib.util
 import os
@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import models as M  # noqa: E402
-from engine.models import (  # noqa: E402
+from lm import models as M  # noqa: E402
+from lm.models import (  # noqa: E402
     bf16_supported_on_cpu,
     count_trainable,
     default_model_path,

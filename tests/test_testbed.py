@@ -1,4 +1,4 @@
-"""engine.testbed: real shaped links between namespaces, gloo traffic over them, clean teardown.
+"""benchmarks.testbed: real shaped links between namespaces, gloo traffic over them, clean teardown.
 
 Root tests are skipped with a reason when not root or iproute2 is missing (CI runs as root).
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import testbed as tbm
-from engine.testbed import LinkSpec, Testbed, TestbedError, cleanup_stale, requires_root_reason
+from benchmarks import testbed as tbm
+from benchmarks.testbed import LinkSpec, Testbed, TestbedError, cleanup_stale, requires_root_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("testbed_worker.py")
@@ -136,7 +136,7 @@ def test_teardown_when_body_raises():
 _CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from engine.testbed import Testbed, LinkSpec
+    from benchmarks.testbed import Testbed, LinkSpec
     with Testbed(workers=2, link=LinkSpec("10mbit"), prefix={prefix!r}) as tb:
         tb.popen(0, ["sleep", "60"])
         print("ready", flush=True)

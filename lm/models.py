@@ -239,7 +239,7 @@ def tiny_gpt2(
 ):
     """Randomly initialised ``GPT2LMHeadModel`` (tied embeddings), deterministic in ``seed``.
 
-    The defaults (byte vocabulary of :class:`engine.data.ByteTokenizer`, 6 x 256, 8 heads,
+    The defaults (byte vocabulary of :class:`lm.data.ByteTokenizer`, 6 x 256, 8 heads,
     256 positions) give about 4.9M parameters, the small GPT-2 shape used for the link
     benchmarks. Dropout is 0 by default so that runs compare bit for bit. ``n_positions``
     must be at least ``seq_len + 1`` for ``label_mode="hf"`` batches. The global RNG state is
