@@ -5,6 +5,7 @@ peft, logits match; EoRA lowers the calibration-weighted output error)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -103,3 +104,120 @@ def test_quantizer_input_checks():
         quantize_codes(torch.tensor([[math.nan] * 8]), QuantSpec(group_size=8))
     with pytest.raises(ValueError, match="whole bytes"):
         pack_codes(torch.zeros(2, 3, dtype=torch.uint8), 3)
+
+
+# ------------------------------------------------------------------ recipes/export.py end to end
+
+pytest.importorskip("transformers")
+
+from acco_loco.eora import weighted_error  # noqa: E402
+from lm.data import ByteTokenizer, load_text_documents, split_heldout, tokenize_documents  # noqa: E402
+from recipes import export as E  # noqa: E402
+from tests.texts import text_folder  # noqa: E402
+
+
+def _tiny_export(tmp_path, bits: int, rank: int):
+    """Calibrate, quantize, compensate and write the tiny Llama; returns what the checks need."""
+    data = text_folder(tmp_path / "text")
+    cfg = E.ExportConfig(model=E.TINY_MODEL, dataset=str(data), bits=[bits], ranks=[rank],
+                         calib_samples=24, calib_seq_len=64, progress=False)
+    model, tok = E.tiny_llama(0), ByteTokenizer()
+    train, _ = split_heldout(load_text_documents(str(data)))
+    linears, groups, grams, windows = E.calibrate(cfg, model, tokenize_documents(train, tok), E.Timings())
+    gram_copy = {key: acc.gram.clone() for key, acc in grams.items()}
+    spec = E.QuantSpec(bits, cfg.group_size)
+    results, _ = E.compensate_model(linears, groups, grams, [spec], ("eora",), [rank],
+                                    cfg.eig_floor, E.Timings(), False)
+    out = tmp_path / "out"
+    E.write_export(out, model, tok, linears, results[bits], spec, rank, torch.float16)
+    return model, linears, groups, gram_copy, results[bits], windows, out
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_export_reloads_through_transformers_and_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model, linears, groups, _, layers, windows, out = _tiny_export(tmp_path, bits=3, rank=8)
+    assert len(linears) == 14 and len(groups) == 8  # q/k/v and gate/up share their input
+    assert sorted(map(len, groups)) == [1, 1, 1, 1, 2, 2, 3, 3]
+    ids = windows[:2]
+    with E.installed(linears, E.merged_weights(layers, "eora", 8, torch.float16)):
+        in_memory = _logits(model, ids)
+    with E.installed(linears, E.merged_weights(layers, None, 0, torch.float16)):
+        rtn = _logits(model, ids)
+
+    base = AutoModelForCausalLM.from_pretrained(out / "dequantized")
+    torch.testing.assert_close(_logits(base, ids), rtn, rtol=0, atol=1e-5)
+    with_adapter = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    lora = [m for m in with_adapter.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert len(lora) == len(linears) and all(m.scaling["default"] == 1.0 for m in lora)
+    torch.testing.assert_close(_logits(with_adapter, ids), in_memory, rtol=0, atol=1e-4)
+    assert float((in_memory - rtn).abs().max()) > 1e-3  # the adapter is not a no-op
+
+    # the packed folder alone rebuilds the same de-quantized model
+    torch.testing.assert_close(_logits(E.load_quantized(out / "quantized"), ids), rtn, rtol=0, atol=1e-5)
+    with safe_open(str(out / "quantized" / E.PACKED_FILE), framework="pt") as f:
+        meta = f.metadata()
+        q = f.get_tensor("model.layers.0.mlp.down_proj.qweight")  # (64, 160 -> 192 padded)
+    assert meta["format"] == E.FORMAT and meta["bits"] == "3" and meta["group_size"] == "64"
+    assert q.dtype == torch.uint8 and q.shape == (64, 192 * 3 // 8)
+
+
+def test_eora_lowers_the_calibration_weighted_output_error(tmp_path):
+    model, linears, groups, grams, layers, windows, _ = _tiny_export(tmp_path, bits=3, rank=8)
+    leader = {name: g[0] for g in groups for name in g}
+    for name, layer in layers.items():
+        w = linears[name].weight.detach().double()
+        gram = grams[leader[name]]
+        rtn = weighted_error(w - layer.dequantized.double(), gram)
+        b, a = layer.residuals["eora"].factors(8, torch.float64)
+        eora = weighted_error(w - layer.dequantized.double() - b @ a, gram)
+        svd = weighted_error(w - layer.dequantized.double() - E.svd_residual(
+            w - layer.dequantized.double(), 8).product(8), gram)
+        assert eora < 0.9 * rtn and eora <= svd * (1 + 1e-9), name
+    # ... and the whole model's outputs on the calibration text move closer to fp32
+    ids = windows[:8]
+    ref = _logits(model, ids)
+    errors = {}
+    for method, rank in (("rtn", 0), ("eora", 8)):
+        weights = E.merged_weights(layers, None if method == "rtn" else method, rank, torch.float16)
+        with E.installed(linears, weights):
+            errors[method] = float((_logits(model, ids) - ref).pow(2).mean())
+    assert errors["eora"] < 0.8 * errors["rtn"], errors
+
+
+def test_cli_report_table_and_plot(tmp_path):
+    data = text_folder(tmp_path / "text")
+    out, png = tmp_path / "out", tmp_path / "ppl.png"
+    argv = ["--model", E.TINY_MODEL, "--dataset", str(data), "--bits", "4", "3", "--ranks", "8", "4",
+            "--ablation", "svd", "--calib-samples", "16", "--calib-seq-len", "64", "--eval-samples",
+            "6", "--eval-seq-len", "64", "--output-dir", str(out), "--plot", str(png), "--no-progress"]
+    assert E.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    assert len(rows) == 1 + 2 * (1 + 2 * 2) and png.stat().st_size > 0
+    assert report["eval"]["sequences"] == 6 and report["eval"]["documents"] == ["doc2"]
+    for bits in (4, 3):
+        for rank in (4, 8):  # EoRA is the weighted optimum, so it beats SVD on this measure
+            eora, svd = rows[f"{bits}-bit + EoRA r{rank}"], rows[f"{bits}-bit + SVD r{rank}"]
+            assert eora["rel_output_error"] < svd["rel_output_error"]
+            assert eora["bytes"]["adapter"] == svd["bytes"]["adapter"] > 0
+        rtn = rows[f"{bits}-bit RTN"]
+        assert rtn["bytes"]["total"] < rows["fp32"]["bytes"]["total"] / 2
+        assert rtn["rel_output_error"] > rows[f"{bits}-bit + EoRA r8"]["rel_output_error"]
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == adapter["lora_alpha"] == 8 and len(adapter["target_modules"]) == 14
+    assert report["export_seconds"] > 0 and "quantized/quantized.safetensors" in report["files"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert E.main(["--model", E.TINY_MODEL, "--bits", "9", "--report", str(tmp_path / "r.json")]) == 2
+    assert "bits must be an integer in 2..8" in capsys.readouterr().err
+    assert E.main(["--model", E.TINY_MODEL]) == 2
+    assert "nothing to write" in capsys.readouterr().err

