@@ -32,7 +32,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from acco_loco.acco import KeptHalf
 
 from .config import STRUCTURAL_FIELDS, EngineConfig
 
@@ -301,31 +300,7 @@ def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:
 
 
 def _rank_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
-    state = engine.shard_state
-    tensors = {f"opt.{k}": v.detach().cpu().contiguous() for k, v in state.tensors().items()}
-    tensors["pending_grad"] = engine.flat.grads[engine.flat.active].detach().cpu().contiguous()
-    tensors["rng_cpu"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        tensors["rng_cuda"] = torch.cuda.get_rng_state(engine.device)
-    if engine.grad_codec is not None:
-        for k, v in engine.grad_codec.feedback.state_dict().items():
-            tensors[f"feedback.{k}"] = v.detach().cpu().contiguous()
-    kept = engine._kept
-    if kept is not None:
-        tensors["kept_grad_sum"] = kept.grad_sum.detach().cpu().contiguous()
-        if engine.grad_codec is not None:  # a skipped commit must still roll back to the step's start
-            for k, v in engine.grad_codec.feedback.mark_state_dict().items():
-                tensors[f"feedback_mark.{k}"] = v.cpu().contiguous()
-    meta = {
-        "rank": engine.rank, "world_size": engine.world_size, "step": engine.step,
-        "opt_step": state.step, "round_index": engine.round_index, "consumed": engine.consumed,
-        "pending_count": engine._count, "pending_samples": engine._samples,
-        "pending_loss": float(engine._loss_sum), "shard_size": engine.flat.shard_size,
-        "numel": engine.flat.numel,
-        "kept": None if kept is None else {"count": kept.count, "loss_sum": kept.loss_sum, "samples": kept.samples,
-                                           "skipped": kept.skipped, "bad_ranks": list(kept.bad_ranks)},
-    }
-    return tensors, meta
+    return engine.state_dict()
 
 
 def _restore_rank_state(engine, file: Path, required: bool) -> None:
@@ -336,39 +311,4 @@ def _restore_rank_state(engine, file: Path, required: bool) -> None:
         meta = json.loads(metadata["engine"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file} is corrupt or unreadable (engine metadata: {exc}): use an earlier checkpoint") from exc
-    flat = engine.flat
-    if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
-        raise ValueError(f"{file} holds a shard of {meta['shard_size']} values for a model of "
-                         f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
-                         f"{flat.numel}: same model, same trainable parameters and align are needed")
-    dev = engine.device
-    state = engine.shard_state
-    state.master.copy_(tensors["opt.master"].to(dev))
-    state.exp_avg.copy_(tensors["opt.exp_avg"].to(dev))
-    if state.exp_avg_sq is not None:
-        state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"].to(dev))
-    state.step = meta["opt_step"]
-    with torch.no_grad():
-        flat.grads[flat.active].copy_(tensors["pending_grad"].to(dev))
-        engine.gather_buf.copy_(flat.data)
-    if engine.grad_codec is not None:
-        fb = {k[len("feedback."):]: v.to(dev) for k, v in tensors.items() if k.startswith("feedback.")}
-        if not fb:
-            raise ValueError(f"{file} holds no error-feedback state but codec={engine.cfg.codec!r} needs it")
-        engine.grad_codec.feedback.load_state_dict(fb)
-    torch.set_rng_state(tensors["rng_cpu"])
-    if "rng_cuda" in tensors and dev.type == "cuda":
-        torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
-    engine.step = meta["step"]
-    engine.round_index = meta["round_index"]
-    engine.consumed = meta["consumed"]
-    engine._count = meta["pending_count"]
-    engine._samples = meta["pending_samples"]
-    engine._loss_sum = torch.tensor(meta["pending_loss"], dtype=torch.float32, device=dev)
-    if meta["kept"] is not None:
-        k = meta["kept"]
-        engine._kept = KeptHalf(tensors["kept_grad_sum"].to(dev), k["count"], k["loss_sum"], k["samples"],
-                                skipped=k.get("skipped", False), bad_ranks=tuple(k.get("bad_ranks", ())))
-        mark = {n[len("feedback_mark."):]: v.to(dev) for n, v in tensors.items() if n.startswith("feedback_mark.")}
-        if mark and engine.grad_codec is not None:
-            engine.grad_codec.feedback.load_mark_state_dict(mark)
+    engine.load_state_dict(tensors, meta, where=str(file))

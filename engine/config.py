@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from acco_loco.acco import PLANS
 from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
+from acco_loco.registry import PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES, validate_schedule
+
+from .strategies import STRATEGIES  # names only: a strategy's module loads when first used
 
 ACCUMULATION_MODES = ("adaptive", "fixed")
 NAN_POLICIES = ("skip", "stop")
@@ -195,22 +197,18 @@ _checkpoint_dir = _Rule("None or a non-empty path (a str or os.PathLike)",
 
 
 def _codec(name: str, value: Any) -> None:
-    from .compressed import parse_grad_codec  # imported at call time, as before
-
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
     parse_grad_codec(value)  # its message lists the valid names
 
 
 def _param_codec(name: str, value: Any) -> None:
-    from .compressed import PARAM_CODECS
-
     _choice(PARAM_CODECS)(name, value)
 
 
 # One line per field: adding a field to EngineConfig means adding its rule here.
 _RULES: dict[str, Rule] = {
-    "strategy": _choice(sorted(PLANS)),
+    "strategy": _choice(sorted(STRATEGIES)),
     "micro_batches": _int(1),
     "accumulation": _choice(ACCUMULATION_MODES),
     "max_micro_batches": _optional(_int(1), "no cap"),

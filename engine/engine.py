@@ -20,17 +20,19 @@ from typing import Any
 
 import torch
 
-from acco_loco.acco import KeptHalf, RoundKind, plan_for
+from acco_loco.acco import RoundKind
 from acco_loco.optim import ShardState
 
 from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
-from .compressed import build_codecs
+from .collectives import codec_groups, make_collectives
 from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
 from .pacing import Pacer
-from .rounds import RoundRequest, RoundResult, run_round
+from .rounds import RoundContext, RoundRequest, RoundResult
+from .state import EngineState
+from .strategies import make_strategy
 from .streams import CommWorker, RoundHandle
 from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 
@@ -86,7 +88,8 @@ class Engine:
         self.cfg = cfg
         self.model = model
         self.loss_fn = loss_fn or default_loss
-        self.plan = plan_for(cfg.strategy)
+        self.strategy = make_strategy(cfg)
+        self.plan = self.strategy.plan
         self.spec = cfg.optimizer_spec()
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -109,30 +112,24 @@ class Engine:
             raise TypeError(f"trainable parameters must be floating point, got {dtype}")
         if cfg.compute_dtype != "auto":
             model.to(dtype)
-        unit = math.lcm(cfg.align, cfg.group_size) if cfg.codec != "none" or cfg.param_codec in ("int8", "int4") \
-            else cfg.align
+        unit = math.lcm(cfg.align, *codec_groups(cfg))
         self.flat = FlatParams([p for _, p in named], [n for n, _ in named], world, unit, dtype)
         padded32 = torch.zeros(self.flat.padded, dtype=torch.float32, device=device)
         padded32[:flat32.numel()] = flat32
         self.comm.broadcast_(padded32, src=0)
         self.flat.data.copy_(padded32)
-        self.shard_state = ShardState.create(self.flat.shard(padded32, rank), self.spec)
-        self.gather_buf = self.flat.data.clone()  # what every replica holds after the last round
+        grads, params = make_collectives(cfg, self.flat.padded, world, device, rank, dtype)
+        self.ctx = RoundContext(cfg=cfg, comm=self.comm, flat=self.flat, spec=self.spec,
+                                shard_state=ShardState.create(self.flat.shard(padded32, rank), self.spec),
+                                grads=grads, params=params,
+                                gather_buf=self.flat.data.clone())  # what every replica holds after the last round
         del padded32, flat32
-
-        self.grad_codec, self.param_codec = build_codecs(cfg, self.flat.padded, world, device, rank)
         self.worker = CommWorker(device)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
 
-        # engine state (all of it is saved by save())
-        self.step = 0  # committed optimizer steps
-        self.round_index = 0  # rounds submitted
-        self.consumed = 0  # micro-batches this worker has taken from its data
-        self._count = 0  # micro-batches in the accumulator that is not yet submitted
-        self._samples = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        self._kept: KeptHalf | None = None  # comm side: reduced estimate half (acco)
+        self.state = EngineState()  # counters and the pending accumulator: saved by save()
+        self.state.start_accumulator(device)
         self._inflight: RoundHandle | None = None
         self._submitted_at = 0.0
         self._step_rounds = 0
@@ -152,6 +149,27 @@ class Engine:
         self._closed = False
 
     # ------------------------------------------------------------------ public API
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def round_index(self) -> int:
+        return self.state.round_index
+
+    @property
+    def consumed(self) -> int:
+        return self.state.consumed
+
+    @property
+    def shard_state(self):
+        return self.ctx.shard_state
+
+    @property
+    def grads(self):
+        """The gradient reducer (``.feedback`` holds the error state of a compressed one)."""
+        return self.ctx.grads
+
     @property
     def rank(self) -> int:
         return self.comm.rank
@@ -216,6 +234,49 @@ class Engine:
         """
         return ckpt.load(cls, directory, model, cfg, loss_fn, max_steps=max_steps)
 
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's whole training state as (tensors, JSON-able metadata): counters, the
+        owned shard and its optimizer moments, the gradient accumulated but not yet sent, the
+        RNG, the gradient reducer's error state and what the strategy keeps between rounds."""
+        self._require_quiescent("take the state")
+        state = self.ctx.shard_state
+        tensors = {f"opt.{k}": v.detach().cpu().contiguous() for k, v in state.tensors().items()}
+        tensors["pending_grad"] = self.flat.grads[self.flat.active].detach().cpu().contiguous()
+        tensors["rng_cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        mid_step = self.state.round_index % self.plan.rounds_per_step != 0
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in self.ctx.grads.state_dict(mid_step).items()})
+        strategy_tensors, strategy_meta = self.strategy.state_dict(self.ctx)
+        tensors.update(strategy_tensors)
+        meta = {"rank": self.rank, "world_size": self.world_size, **self.state.state_dict(),
+                "opt_step": state.step, "shard_size": self.flat.shard_size, "numel": self.flat.numel,
+                **strategy_meta}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, where: str = "the state") -> None:
+        """Restore what ``state_dict`` returned (same model, config and world size)."""
+        flat, dev = self.flat, self.device
+        if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
+            raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
+                             f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
+                             f"{flat.numel}: same model, same trainable parameters and align are needed")
+        state = self.ctx.shard_state
+        state.master.copy_(tensors["opt.master"].to(dev))
+        state.exp_avg.copy_(tensors["opt.exp_avg"].to(dev))
+        if state.exp_avg_sq is not None:
+            state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"].to(dev))
+        state.step = meta["opt_step"]
+        with torch.no_grad():
+            flat.grads[flat.active].copy_(tensors["pending_grad"].to(dev))
+            self.ctx.gather_buf.copy_(flat.data)
+        self.ctx.grads.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, where)
+        torch.set_rng_state(tensors["rng_cpu"])
+        if "rng_cuda" in tensors and dev.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
+        self.state.load_state_dict(meta, dev)
+        self.strategy.load_state_dict(self.ctx, {k: v.to(dev) for k, v in tensors.items()}, meta)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -232,10 +293,10 @@ class Engine:
         cfg = self.cfg
         fixed = cfg.accumulation == "fixed"
         while True:
-            if self._count >= (cfg.micro_batches if fixed else self.pacer.current):
+            if self.state.pending_count >= (cfg.micro_batches if fixed else self.pacer.current):
                 if fixed or self._inflight is None:
                     return False
-                if cfg.max_micro_batches is not None and self._count >= cfg.max_micro_batches:
+                if cfg.max_micro_batches is not None and self.state.pending_count >= cfg.max_micro_batches:
                     return False
                 if self._inflight.done():
                     return False
@@ -256,10 +317,10 @@ class Engine:
             raise RuntimeError("the loss does not require grad: is the model in torch.no_grad(), "
                                "or are the trainable parameters not used by the loss?")
         loss.backward()
-        self._count += 1
-        self._samples += batch_size(batch)
-        self._loss_sum += loss.detach().float()
-        self.consumed += 1
+        self.state.pending_count += 1
+        self.state.pending_samples += batch_size(batch)
+        self.state.pending_loss += loss.detach().float()
+        self.state.consumed += 1
         t1 = time.perf_counter()
         self.pacer.on_micro_batch(t1 - t0)
         if self.cfg.record_timeline:
@@ -271,7 +332,7 @@ class Engine:
             handle, self._inflight = self._inflight, None
             if self._finish(handle):
                 return True
-        if exhausted and self._count == 0 and self.world_size == 1:
+        if exhausted and self.state.pending_count == 0 and self.world_size == 1:
             self._warn_stopped_early([0])
             return True
         self.flat.check_grads_attached()
@@ -284,20 +345,19 @@ class Engine:
     def _submit(self, exhausted: bool) -> RoundHandle:
         req = RoundRequest(
             index=self.round_index, kind=self.plan.kind(self.round_index), step_index=self.step,
-            grad_index=self.flat.active, count=self._count, samples=self._samples,
-            loss_sum=self._loss_sum.clone(), exhausted=exhausted,
+            grad_index=self.flat.active, count=self.state.pending_count, samples=self.state.pending_samples,
+            loss_sum=self.state.pending_loss.clone(), exhausted=exhausted,
             first_of_step=self.round_index % self.plan.rounds_per_step == 0)
-        handle = self.worker.submit(req.index, partial(run_round, self, req))
+        handle = self.worker.submit(req.index, partial(self.strategy.run_round, self.ctx, req))
         self._submitted_at = time.perf_counter()
-        self.round_index += 1
+        self.state.round_index += 1
         self.round_counts.append(req.count)
         self.watchdog.round = req.index
         # the compute side moves to the other buffer; the round owns this one until it is done
         nxt = 1 - self.flat.active
         self.flat.point_grads(nxt)
         self.flat.grads[nxt].zero_()
-        self._count, self._samples = 0, 0
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.state.start_accumulator(self.device)
         return handle
 
     def _finish(self, handle: RoundHandle) -> bool:
@@ -310,7 +370,7 @@ class Engine:
                 raise
             raise err from exc
         with torch.no_grad():
-            self.flat.data.copy_(self.gather_buf)
+            self.flat.data.copy_(self.ctx.gather_buf)
         # what the other threads (comm, gloo) used since the last round ended: on CPU it is
         # taken from the compute side's cores
         proc, main = time.process_time(), time.thread_time()
@@ -332,7 +392,7 @@ class Engine:
         return self.step >= self._stop_at
 
     def _record_step(self, result: RoundResult) -> None:
-        self.step += 1
+        self.state.step += 1
         now = time.perf_counter()
         entry = {
             "step": self.step, "loss": result.loss, "lr": result.lr, "samples": result.samples,
@@ -356,7 +416,7 @@ class Engine:
     def _warn_stopped_early(self, ranks: list[int]) -> None:
         log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
                     "accumulated on this rank stay pending and are used if fit() continues",
-                    self.step, ranks, self._count)
+                    self.step, ranks, self.state.pending_count)
 
     def _explain(self, exc: Exception, where: str) -> Exception:
         """The error a user should see for a failed round: the round's own exception (with

@@ -43,11 +43,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from acco_loco.acco import PLANS  # noqa: E402
 from acco_loco.schedule import SCHEDULES  # noqa: E402
 from engine import Engine, EngineConfig  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
-from engine.compressed import GRAD_FEEDBACK, PARAM_CODECS, parse_grad_codec  # noqa: E402
+from acco_loco.registry import GRAD_CODECS, PARAM_CODECS  # noqa: E402
+from engine.strategies import STRATEGIES  # noqa: E402
 from engine.config import ACCUMULATION_MODES, COMPUTE_DTYPES  # noqa: E402
 from lm.data import (  # noqa: E402
     ByteTokenizer,
@@ -72,20 +72,6 @@ TINY_MODEL = "tiny-gpt2"  # randomly initialised small GPT-2 + byte tokenizer (t
 ENGINE_DEFAULTS = EngineConfig()  # where the recipe follows the engine, it reads its default here
 
 
-def _grad_codec_names() -> tuple[str, ...]:
-    """Every gradient codec name the engine accepts: none, int8/4/2, sign1, ef8/4/2/1, loco8/4/2/1."""
-    names = ["none"]
-    for kind in GRAD_FEEDBACK:
-        for bits in (8, 4, 2, 1):
-            try:
-                parse_grad_codec(f"{kind}{bits}")
-            except ValueError:
-                continue
-            names.append(f"{kind}{bits}")
-    return tuple(names)
-
-
-GRAD_CODECS = _grad_codec_names()
 REPORT_TO = ("none", "tensorboard", "wandb")
 TRACKER_PROJECT = "acco-loco-finetune"  # tensorboard run folder under OUT/tensorboard, wandb project
 # the metrics.jsonl values --report-to sends, and their names there
@@ -116,10 +102,10 @@ class FinetuneConfig:
     # engine: how the workers train together
     strategy: str = _opt("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one step "
                          "stale); acco = estimate + commit rounds that overlap communication with compute",
-                         tuple(PLANS))
+                         tuple(STRATEGIES))
     codec: str = _opt("loco4", "gradients on the wire: none (uncompressed), int<bits> (plain), ef<bits> "
                       "(classic error feedback), loco<bits> (LoCo error compensation), sign1 (sign x RMS)",
-                      GRAD_CODECS)
+                      tuple(GRAD_CODECS))
     param_codec: str = _opt("int8", "parameter updates on the wire: auto (the compute dtype), float32, bfloat16, "
                             "or int8/int4 deltas", PARAM_CODECS)
     compute_dtype: str = _opt("auto", "dtype of forward/backward: auto = bfloat16 where the hardware runs it "

@@ -14,15 +14,15 @@ from tests.tiny import mse_loss, tiny_model, worker_stream
 
 def _broken_codec(engine: Engine, on_round: int = 0):
     """Make the gradient codec raise a TypeError from round ``on_round`` on."""
-    real = engine.grad_codec.reduce_scatter
+    real = engine.grads.reduce
     rounds = [0]
 
-    def reduce_scatter(*args, **kwargs):
+    def reduce(*args, **kwargs):
         rounds[0] += 1
         if rounds[0] > on_round:
             raise TypeError("codec bug: unsupported operand")
         return real(*args, **kwargs)
-    engine.grad_codec.reduce_scatter = reduce_scatter
+    engine.grads.reduce = reduce
 
 
 def test_codec_bug_at_world_1_is_raised_as_itself():

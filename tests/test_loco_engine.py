@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from acco_loco.codecs import make_codec
+from benchmarks.modes import engine_modes
 from engine import Engine, EngineConfig
 from engine.comm import Comm
-from engine.compressed import CompressedGrads, GradCodecSpec, parse_grad_codec
+from acco_loco.registry import GradCodecSpec, parse_grad_codec
+from engine.collectives import CompressedGrads
 from engine.local_group import spawn
 from tests.tiny import flat_params, mse_loss, worker_stream
 
@@ -29,9 +31,9 @@ def compressed_rs(rank: int, world: int, bits: int):
 
     dist.init_process_group("gloo")
     comm = Comm(rank, world)
-    grads = CompressedGrads(GradCodecSpec("none", bits), NUMEL, world, GROUP, "float32", 0.8, 1024, "fp32",
+    grads = CompressedGrads(GradCodecSpec("none", f"int{bits}"), NUMEL, world, GROUP, "float32", 0.8, 1024, "fp32",
                             torch.device("cpu"), stochastic=False, seed=0)
-    out = grads.reduce_scatter(comm, _full(rank), count=rank + 1)
+    out = grads.reduce(comm, _full(rank), count=rank + 1)
     return out, comm.bytes_sent
 
 
@@ -59,13 +61,8 @@ def wide_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(6, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 3))
 
 
-MODES = {
-    "zero1": dict(strategy="zero1"),
-    "acco+loco4": dict(strategy="acco", codec="loco4", param_codec="int8"),
-    "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
-    "acco+int4": dict(strategy="acco", codec="int4"),
-    "dpu+ef8+bf16": dict(strategy="dpu", codec="ef8", param_codec="bfloat16"),
-}
+# from the one mode table (benchmarks/modes.py): name -> EngineConfig keyword arguments
+MODES = engine_modes(("zero1", "acco+loco4", "acco+loco4+int4params", "acco+int4", "dpu+ef8+bf16"))
 
 
 def train_modes(rank: int, world: int, steps: int = 8):
@@ -112,7 +109,7 @@ def test_error_state_resumes_bit_exact(tmp_path):
     straight.close()
     first = Engine(wide_model(), cfg(10), mse_loss)
     first.fit(stream)
-    assert float(first.grad_codec.feedback.error().abs().sum()) > 0
+    assert float(first.grads.feedback.error().abs().sum()) > 0
     first.save(str(tmp_path / "c"))
     first.close()
     model = wide_model(seed=5)

@@ -30,8 +30,8 @@ def nan_on(rank_to_poison: int, rank: int, batch_index: int):
 
 def state_snapshot(engine: Engine) -> dict[str, torch.Tensor]:
     out = {f"opt.{k}": v.clone() for k, v in engine.shard_state.tensors().items()}
-    if engine.grad_codec is not None:
-        out.update({f"fb.{k}": v.clone() for k, v in engine.grad_codec.feedback.state_dict().items()})
+    if engine.grads.feedback is not None:
+        out.update({f"fb.{k}": v.clone() for k, v in engine.grads.feedback.state_dict().items()})
     out["params"] = flat_params(engine.model)
     return out
 

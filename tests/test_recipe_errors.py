@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from acco_loco.acco import PLANS
 from engine import EngineConfig
+from engine.strategies import STRATEGIES
 from tests.test_recipe_metrics import RECIPE, REPO, run_recipe
 
 CPU_2PROC = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
-CODECS = ("none", "int8", "int4", "int2", "ef8", "ef4", "ef2", "ef1", "loco8", "loco4", "loco2", "loco1", "sign1")
+CODECS = ("none", "int8", "int4", "int2", "ef8", "ef4", "ef2", "ef1", "loco8", "loco4", "loco2", "loco1", "sign1",
+          "fp16")
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,7 +36,7 @@ def test_help_documents_every_flag():
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())  # argparse wraps lines
     assert "(field " not in text
-    assert "{" + ",".join(PLANS) + "}" in text
+    assert "{" + ",".join(STRATEGIES) + "}" in text
     codecs = text.split("--codec {", 1)[1].split("}", 1)[0].split(",")
     assert sorted(codecs) == sorted(CODECS)
     for flag in ("--param-codec {auto,float32,bfloat16,int8,int4}", "--lr-schedule {constant,linear,cosine}",
@@ -51,7 +52,7 @@ def test_bad_choice_is_one_line_and_exit_2():
     r = run_recipe(["--strategy", "ddp"])
     assert r.returncode == 2
     assert error_lines(r) == ["finetune: error: argument --strategy: invalid choice: 'ddp' "
-                              "(choose from 'zero1', 'dpu', 'acco') (--help lists the flags)"]
+                              "(choose from 'zero1', 'dpu', 'acco', 'local_sgd') (--help lists the flags)"]
 
 
 @pytest.mark.parametrize("case", ["file", "under-file", "dev-null", "read-only"])

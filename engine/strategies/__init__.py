@@ -1,0 +1,24 @@
+"""Data-parallel strategies, one file each, by config name. A new strategy is a file with a
+``Strategy`` subclass plus a line here ("module:Class", imported when first used, so the config
+can check names without importing the runtime)."""
+
+from __future__ import annotations
+
+import importlib
+
+STRATEGIES: dict[str, str] = {
+    "zero1": "engine.strategies.zero1:Zero1",
+    "dpu": "engine.strategies.dpu:DelayedUpdate",
+    "acco": "engine.strategies.acco:Acco",
+    "local_sgd": "engine.strategies.local_sgd:LocalSGD",
+}
+
+
+def make_strategy(cfg):
+    """A fresh strategy object for ``cfg.strategy`` (a key of STRATEGIES), checked against cfg."""
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}: choose one of {sorted(STRATEGIES)}")
+    module, name = STRATEGIES[cfg.strategy].split(":")
+    cls = getattr(importlib.import_module(module), name)
+    cls.check(cfg)
+    return cls()

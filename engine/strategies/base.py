@@ -1,0 +1,31 @@
+"""The strategy interface: what one round does, and what a strategy keeps between rounds."""
+
+from __future__ import annotations
+
+import torch
+
+from acco_loco.acco import RoundPlan
+
+from ..rounds import RoundContext, RoundRequest, RoundResult
+
+
+class Strategy:
+    """One data-parallel strategy. ``plan`` says how many rounds make an optimizer step and
+    whether compute overlaps them; ``run_round`` is a round's whole data path (it runs on the
+    comm thread and touches only ``ctx`` and the strategy's own state)."""
+
+    plan: RoundPlan
+
+    def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Refuse a configuration this strategy cannot honour (called when the engine is built)."""
+
+    def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, JSON-able metadata) the strategy keeps between rounds, for a checkpoint."""
+        return {}, {}
+
+    def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        pass

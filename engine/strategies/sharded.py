@@ -1,0 +1,159 @@
+"""The ZeRO-1 round every sharded strategy shares, top to bottom:
+
+    reduce-scatter this worker's gradient sum -> the fp32 sum of the owned shard
+    one small all-reduce: counts, loss, squared norm, every rank's flags
+    the shard optimizer proposes a step (nothing written yet)
+    all-gather the new shards; a commit installs the proposal once all of them are finite
+
+A strategy changes what a round carries in (``carried``: ACCO's kept estimate half) and what it
+keeps for later (``keep``); the rest is here. Skips and stops follow docs/DESIGN.md section 1.5.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from acco_loco.acco import KeptHalf, RoundKind, step_gradient
+from acco_loco.optim import ShardState, clip_coefficient, propose_step
+from acco_loco.schedule import lr_at
+
+from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm
+from .base import Strategy
+
+
+@dataclass
+class RoundTotals:
+    """What the small all-reduce tells every rank about a round (the carried half included)."""
+
+    round_count: int
+    round_samples: int
+    round_loss: float
+    count: int
+    samples: int
+    loss_sum: float
+    sq_norm: float
+    exhausted_ranks: list[int]
+    bad_ranks: list[int]
+    nonfinite: bool
+    reason: str  # why the step is skipped, for the warning
+
+
+class ShardedStrategy(Strategy):
+    def carried(self, req: RoundRequest) -> KeptHalf | None:
+        """A reduced half from an earlier round that this round's step adds (none here)."""
+        return None
+
+    def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
+        """Remember what a later round needs (nothing here)."""
+
+    def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        comm, full = ctx.comm, ctx.flat.grads[req.grad_index]
+        bytes_before, phases = comm.bytes_sent, {}
+        if req.first_of_step:
+            ctx.grads.begin_step()
+
+        t = time.perf_counter()
+        # [what to send] gradient sum of this worker's micro-batches
+        local_bad = not all(math.isfinite(float(v)) for v in torch.aminmax(full))  # NaN propagates
+        grad_sum = ctx.grads.reduce(comm, full, req.count, finite=not local_bad)
+        phases["reduce_scatter"] = (t, time.perf_counter())
+
+        t = time.perf_counter()
+        kept = self.carried(req)
+        step_sum = step_gradient(req.kind, grad_sum, kept)
+        totals = agree(ctx, req, step_sum, local_bad, kept)
+        lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
+                   ctx.cfg.min_lr_ratio)
+        grad_norm = math.sqrt(totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else float("nan")
+        # [how to apply] the shard optimizer proposes; nothing is written before the gather
+        proposal = None
+        if not (totals.nonfinite or totals.count == 0):
+            proposal = propose(ctx, step_sum, totals.count, grad_norm, lr)
+        phases["optimizer"] = (t, time.perf_counter())
+
+        t = time.perf_counter()
+        overflowed = gather_and_install(ctx, req, proposal)
+        if overflowed:
+            totals.nonfinite, grad_norm = True, float("nan")
+            totals.bad_ranks = sorted(set(totals.bad_ranks) | set(overflowed))
+            totals.reason = "non-finite parameters after the update on the shard(s) of"
+        phases["all_gather"] = (t, time.perf_counter())
+
+        self.keep(req, grad_sum, totals)
+        if req.kind is RoundKind.COMMIT:
+            ctx.grads.end_step(req.step_index + 1, skipped=totals.nonfinite)
+        if ctx.cfg.poison_freed_buffers:
+            full.fill_(float("nan"))  # any read of a released buffer now shows up as NaN
+        return RoundResult(
+            index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count,
+            count=totals.count, samples=totals.samples,
+            loss=totals.loss_sum / totals.count if totals.count else float("nan"), lr=lr, grad_norm=grad_norm,
+            skipped=totals.nonfinite, empty=totals.count == 0, bad_ranks=totals.bad_ranks,
+            exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - bytes_before,
+            phases=phases, skip_reason=totals.reason)
+
+
+def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: bool,
+          kept: KeptHalf | None) -> RoundTotals:
+    """One small all-reduce carries counts, loss, the squared norm and every rank's flags."""
+    n, rank = ctx.comm.world_size, ctx.comm.rank
+    small = torch.zeros(4 + 2 * n, dtype=torch.float64, device=step_sum.device)
+    small[0], small[1] = req.count, req.samples
+    small[2] = req.loss_sum.to(torch.float64)
+    small[3] = squared_norm(step_sum)
+    small[4 + rank] = float(req.exhausted)
+    small[4 + n + rank] = float(local_bad)
+    small = ctx.comm.all_reduce_sum(small).cpu()
+    round_count, round_samples, round_loss = int(small[0]), int(small[1]), float(small[2])
+    own_bad = {i for i in range(n) if small[4 + n + i] > 0}
+    # an estimate half that was bad spoils the whole step, even if this half is clean
+    bad_ranks = sorted(own_bad | set(kept.bad_ranks if kept else ()))
+    count, samples, loss_sum = round_count, round_samples, round_loss
+    if kept is not None:
+        count, samples, loss_sum = count + kept.count, samples + kept.samples, loss_sum + kept.loss_sum
+    sq_norm = float(small[3])
+    nonfinite = bool(bad_ranks) or not math.isfinite(sq_norm) or (kept is not None and kept.skipped)
+    reason = ""
+    if nonfinite:
+        reason = "non-finite gradient from" if own_bad or kept is None or not kept.bad_ranks \
+            else "non-finite estimate half (gradient or update) from"
+        if ctx.cfg.nan_policy == "stop":
+            raise NonFiniteGradientError(
+                f"non-finite gradient in round {req.index} (step {req.step_index + 1}) from rank(s) "
+                f"{bad_ranks or 'unknown (the reduced sum overflowed)'}: lower the learning rate, clip "
+                "gradients (max_grad_norm), check the data, or set nan_policy='skip'")
+    return RoundTotals(round_count, round_samples, round_loss, count, samples, loss_sum, sq_norm,
+                       [i for i in range(n) if small[4 + i] > 0], bad_ranks, nonfinite, reason)
+
+
+def propose(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float) -> ShardState:
+    """The shard optimizer's step on the mean gradient, clipped to max_grad_norm."""
+    grad = step_sum / count
+    coef = clip_coefficient(grad_norm, ctx.cfg.max_grad_norm)
+    if coef < 1.0:
+        grad.mul_(coef)
+    return propose_step(ctx.shard_state, grad, lr, ctx.spec)
+
+
+def gather_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
+    """Gather every rank's new shard into ctx.gather_buf; a commit installs its proposal when
+    all of them are finite. Returns the ranks whose new parameters were not (then nothing is
+    installed and the unchanged master is gathered again, as a skipped step does)."""
+    state = ctx.shard_state
+    overflowed = ctx.params.gather(ctx.comm, proposal.master if proposal is not None else state.master,
+                                   ctx.gather_buf)
+    if overflowed:
+        # every replica sees the same gathered values, so every rank takes this branch
+        if ctx.cfg.nan_policy == "stop":
+            raise NonFiniteGradientError(
+                f"non-finite parameters after the update of round {req.index} (step "
+                f"{req.step_index + 1}) on the shard(s) of rank(s) {overflowed}: nothing was installed; "
+                "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
+        ctx.params.gather(ctx.comm, state.master, ctx.gather_buf)
+    elif proposal is not None and req.kind is RoundKind.COMMIT:
+        state.install(proposal)
+    return overflowed
