@@ -28,13 +28,10 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# mode name -> EngineConfig overrides
-MODES: dict[str, dict] = {
-    "zero1": {"strategy": "zero1", "codec": "none", "param_codec": "float32"},
-    "acco": {"strategy": "acco", "codec": "none", "param_codec": "float32"},
-    "acco+loco4+int8": {"strategy": "acco", "codec": "loco4", "param_codec": "int8"},
-    "acco+int4+int8": {"strategy": "acco", "codec": "int4", "param_codec": "int8"},
-}
+from benchmarks.modes import QUALITY_MODES, engine_modes  # noqa: E402
+
+# mode name -> EngineConfig overrides (from the one mode table, benchmarks/modes.py)
+MODES: dict[str, dict] = engine_modes(QUALITY_MODES)
 DEFAULT_MODES = ("zero1", "acco+loco4+int8", "acco+int4+int8", "acco")
 
 

@@ -1,8 +1,8 @@
 """One worker of ``recipes/benchmark.py``: trains one mode for a sample budget and reports.
 
-Started by the benchmark inside a testbed namespace (``Testbed.popen``) as::
+Started by the benchmark (``benchmarks/runner.py``) inside a testbed namespace (``Testbed.popen``) as::
 
-    python recipes/bench_worker.py SPEC.json OUT.json
+    python benchmarks/worker.py SPEC.json OUT.json
 
 SPEC holds the run (role, mode, model shape, data seed, learning rate, sample budget, eval
 points); RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment. OUT receives one
@@ -13,7 +13,7 @@ with ``t0_abs`` = time.perf_counter() there; perf_counter is CLOCK_MONOTONIC, sh
 processes of one machine, so the parent can align ranks).
 
 Roles:
-* ``train``: one of the modes of ``benchmark.MODES`` (torch DDP peers or this engine);
+* ``train``: one of the modes of ``benchmarks/modes.py`` (torch DDP peers or this engine);
 * ``compute``: the same fwd+bwd work at world size 1 with no communication (the ceiling).
 
 Every worker uses one thread (``torch.set_num_threads(1)``): the benchmark pins one worker per
@@ -33,26 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# mode -> how to train it. "ddp": (accumulation, powersgd rank or None); "engine": EngineConfig fields
-DDP_MODES: dict[str, tuple[int, int | None]] = {
-    "torch-ddp-acc1": (1, None),
-    "torch-ddp-acc4": (4, None),
-    "torch-ddp-acc12": (12, None),
-    "torch-ddp+powersgd1": (1, 1),
-    "torch-ddp+powersgd4": (1, 4),
-}
-ENGINE_MODES: dict[str, dict] = {
-    "zero1": {"strategy": "zero1", "codec": "none", "param_codec": "auto"},
-    "dpu": {"strategy": "dpu", "codec": "none", "param_codec": "auto"},
-    "acco": {"strategy": "acco", "codec": "none", "param_codec": "auto"},
-    "acco+loco4": {"strategy": "acco", "codec": "loco4", "param_codec": "int8"},
-    "acco+loco4+int4params": {"strategy": "acco", "codec": "loco4", "param_codec": "int4"},
-    # the shortest rounds: one micro-batch per round and worker, whatever the round costs (the
-    # smallest ACCO batch, 2 x workers micro-batches per step; the comm side's CPU is not amortized)
-    "acco+loco4+int4params+cap1": {"strategy": "acco", "codec": "loco4", "param_codec": "int4",
-                                   "max_micro_batches": 1, "max_round_overhead": 0.0},
-}
-ALL_MODES = tuple(DDP_MODES) + tuple(ENGINE_MODES)
+from benchmarks.modes import BENCHMARK_MODES, MODES  # noqa: E402
 
 
 def tx_bytes() -> int | None:
@@ -156,15 +137,12 @@ def run_compute(spec: dict) -> dict:
     return {"rank": rank, "micro_batch_s": times}
 
 
-def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
+def wrap_ddp(model: torch.nn.Module, spec: dict, world: int, psgd_rank: int | None):
+    """DDP around ``model``, with the PowerSGD comm hook of matrix rank ``psgd_rank`` (None: plain
+    all-reduce). Returns the DDP module and a one-item list counting the hook's all-reduce bytes."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lm.data import hf_lm_loss
-
-    acc, psgd_rank = DDP_MODES[spec["mode"]]
-    tok, stream, held = build_data(spec, rank, world)
-    model = build_model(spec, len(tok))
     ddp = DDP(model)
     hook_bytes = [0]
     if psgd_rank is not None:
@@ -180,6 +158,37 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
             return real_all_reduce(tensor, *a, **kw)
 
         dist.all_reduce = counting_all_reduce
+    return ddp, hook_bytes
+
+
+def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: int, timeline: list) -> float:
+    """One DDP step's forward+backward passes (no_sync for all but the last); their summed loss."""
+    loss_sum = 0.0
+    for k in range(acc):
+        batch = next(it)
+        t = time.perf_counter()
+        sync = k == acc - 1
+        if sync:
+            loss = loss_fn(ddp, batch) / acc
+            loss.backward()
+        else:
+            with ddp.no_sync():
+                loss = loss_fn(ddp, batch) / acc
+                loss.backward()
+        loss_sum += float(loss) * acc
+        timeline.append(("compute+allreduce" if sync else "compute", rank, t - t0,
+                         time.perf_counter() - t0, step))
+    return loss_sum
+
+
+def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
+    from lm.data import hf_lm_loss
+
+    variant = MODES[spec["mode"]].ddp
+    acc, psgd_rank = variant.accumulation, variant.powersgd_rank
+    tok, stream, held = build_data(spec, rank, world)
+    model = build_model(spec, len(tok))
+    ddp, hook_bytes = wrap_ddp(model, spec, world, psgd_rank)
     # plain DDP all-reduces every bucket once per synchronised backward; the buckets hold
     # every gradient, so a ring sends 2(N-1)/N of their total
     bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
@@ -198,21 +207,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     samples = 0
     t_step = t0
     for step in range(1, steps + 1):
-        loss_sum = 0.0
-        for k in range(acc):
-            batch = next(it)
-            t = time.perf_counter()
-            sync = k == acc - 1
-            if sync:
-                loss = hf_lm_loss(ddp, batch) / acc
-                loss.backward()
-            else:
-                with ddp.no_sync():
-                    loss = hf_lm_loss(ddp, batch) / acc
-                    loss.backward()
-            loss_sum += float(loss) * acc
-            timeline.append(("compute+allreduce" if sync else "compute", rank, t - t0,
-                             time.perf_counter() - t0, step))
+        loss_sum = ddp_micro_batches(ddp, hf_lm_loss, it, acc, rank, t0, step, timeline)
         t = time.perf_counter()
         if spec["max_grad_norm"]:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), spec["max_grad_norm"])
@@ -232,9 +227,8 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
         accounted = per_sync * steps
     else:
         accounted = hook_bytes[0]
-        n = len(history)
         for h in history:  # the hook's bytes are not split per step here: spread them evenly
-            h["wire_bytes"] = accounted / n
+            h["wire_bytes"] = accounted / len(history)
     dist.barrier()
     evals = snaps.evaluate(model, held, rank, world)
     return {"history": history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
@@ -243,58 +237,74 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
             "thread_cpu_s": cpu_delta(cpu0, cpu1)}
 
 
-def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
-    from acco_loco.acco import RoundKind
-    from engine import Engine, EngineConfig
-    from lm.data import hf_lm_loss
+def engine_config(spec: dict):
+    """The EngineConfig of an engine mode: the mode's fields over the benchmark's common ones."""
+    from engine import EngineConfig
 
-    tok, stream, held = build_data(spec, rank, world)
-    model = build_model(spec, len(tok))
     mode_fields = {"max_micro_batches": spec["max_micro_batches"], "max_round_overhead": spec["max_round_overhead"],
-                   **ENGINE_MODES[spec["mode"]]}
-    cfg = EngineConfig(
+                   **MODES[spec["mode"]].engine_kwargs()}
+    return EngineConfig(
         **mode_fields, accumulation="adaptive", micro_batches=1, max_steps=10**9, optimizer="adamw",
         lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
         compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
         max_grad_norm=spec["max_grad_norm"] or None,
         record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
-    engine = Engine(model, cfg, loss_fn=hf_lm_loss)
+
+
+class SampleBudget:
+    """Counts the engine's committed samples and snapshots the model at the eval points."""
+
+    def __init__(self, engine, model: torch.nn.Module, snaps: Snapshots, budget: int):
+        self.engine, self.model, self.snaps, self.budget = engine, model, snaps, budget
+        self.seen = 0  # steps of engine.history counted
+        self.samples = 0
+
+    def catch_up(self, force: bool = False) -> None:
+        """Count the steps recorded since the last call; snapshot if an eval point (or the end
+        of the budget, or ``force``) is reached."""
+        h = self.engine.history
+        self.samples += sum(e["samples"] for e in h[self.seen:])
+        self.seen = len(h)
+        self.snaps.maybe(self.model, self.samples, len(h), force=force or self.samples >= self.budget)
+
+    def spent(self) -> bool:
+        """Called by the compute side between micro-batches; True once the budget is spent."""
+        if len(self.engine.history) != self.seen:
+            # the last finished round was a commit (the step was just recorded): the model
+            # holds the committed parameters
+            self.catch_up()
+        return self.samples >= self.budget
+
+    def batches(self, stream):
+        # every rank sees the same history (the counts are all-reduced) at the same round
+        # boundary, so all ranks stop in the same round
+        for batch in stream.iter_from(0):
+            if self.spent():
+                return
+            yield batch
+
+
+def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
+    from acco_loco.acco import RoundKind
+    from engine import Engine
+    from lm.data import hf_lm_loss
+
+    tok, stream, held = build_data(spec, rank, world)
+    model = build_model(spec, len(tok))
+    engine = Engine(model, engine_config(spec), loss_fn=hf_lm_loss)
     engine.comm.barrier()
     tx0, t0, cpu0 = tx_bytes(), time.perf_counter(), thread_cpu_seconds()
     bytes0 = engine.comm.bytes_sent
     snaps = Snapshots(spec["eval_points"], t0)
-    budget = spec["samples"]
-    state = {"seen": 0, "samples": 0}
-
-    def on_new_steps() -> bool:
-        """Called by the compute side between micro-batches; True once the budget is spent."""
-        h = engine.history
-        if len(h) != state["seen"]:
-            state["samples"] += sum(e["samples"] for e in h[state["seen"]:])
-            state["seen"] = len(h)
-            # the last finished round was a commit (the step was just recorded): the model
-            # holds the committed parameters
-            snaps.maybe(model, state["samples"], len(h), force=state["samples"] >= budget)
-        return state["samples"] >= budget
-
-    def budgeted():
-        # every rank sees the same history (the counts are all-reduced) at the same round
-        # boundary, so all ranks stop in the same round
-        for batch in stream.iter_from(0):
-            if on_new_steps():
-                return
-            yield batch
-
+    budget = SampleBudget(engine, model, snaps, spec["samples"])
     try:
-        engine.fit(budgeted())
+        engine.fit(budget.batches(stream))
         t_end = time.perf_counter()
         tx1, cpu1 = tx_bytes(), thread_cpu_seconds()
         accounted = engine.comm.bytes_sent - bytes0
         last_kind = engine.plan.kind(engine.round_index - 1)
-        if last_kind is RoundKind.COMMIT and len(engine.history) > state["seen"]:
-            state["samples"] += sum(e["samples"] for e in engine.history[state["seen"]:])
-            state["seen"] = len(engine.history)
-            snaps.maybe(model, state["samples"], len(engine.history), force=True)
+        if last_kind is RoundKind.COMMIT and len(engine.history) > budget.seen:
+            budget.catch_up(force=True)
         engine.comm.barrier()
     finally:
         engine.close()
@@ -308,6 +318,27 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
             "padded_params": engine.flat.padded}
 
 
+def run_train(spec: dict, t_init: float) -> dict:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if spec["mode"] not in BENCHMARK_MODES:
+        raise SystemExit(f"unknown mode {spec['mode']!r}: choose from {', '.join(BENCHMARK_MODES)}")
+    if MODES[spec["mode"]].kind == "torch-ddp":
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", init_method="env://",
+                                timeout=timedelta(seconds=spec["timeout_s"]))
+        try:
+            result = run_ddp(spec, rank, world, t_init)
+        finally:
+            dist.destroy_process_group()
+    else:
+        result = run_engine(spec, rank, world, t_init)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result["rank"] = rank
+    return result
+
+
 def main() -> None:
     t_init = time.perf_counter()
     spec_path, out_path = sys.argv[1], sys.argv[2]
@@ -315,26 +346,7 @@ def main() -> None:
         spec = json.load(f)
     torch.set_num_threads(1)
     torch.manual_seed(spec["seed"])
-    if spec["role"] == "compute":
-        result = run_compute(spec)
-    else:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if spec["mode"] in DDP_MODES:
-            from datetime import timedelta
-
-            dist.init_process_group("gloo", init_method="env://",
-                                    timeout=timedelta(seconds=spec["timeout_s"]))
-            try:
-                result = run_ddp(spec, rank, world, t_init)
-            finally:
-                dist.destroy_process_group()
-        elif spec["mode"] in ENGINE_MODES:
-            result = run_engine(spec, rank, world, t_init)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        else:
-            raise SystemExit(f"unknown mode {spec['mode']!r}: choose from {', '.join(ALL_MODES)}")
-        result["rank"] = rank
+    result = run_compute(spec) if spec["role"] == "compute" else run_train(spec, t_init)
     result["mode"] = spec.get("mode")
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:

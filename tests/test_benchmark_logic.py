@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from recipes.benchmark import aggregate, parse_args, runs_for_seed, time_to_target, verdict
+from benchmarks.report import aggregate, time_to_target, verdict
+from benchmarks.runner import runs_for_seed
+from recipes.benchmark import parse_args
 
 
 def fake_run(mode, lr, seed, final, t_end=100.0, sps=10.0, wire=1e6):
@@ -75,9 +77,10 @@ def test_verdict_compares_against_the_best_ddp_and_powersgd():
 
 
 def test_overlap_efficiency_is_the_physical_limit_over_the_step_time():
-    from recipes.benchmark import add_derived, rate_bits_per_s
+    from benchmarks.report import add_derived
+    from benchmarks.testbed import parse_rate
 
-    assert rate_bits_per_s("100mbit") == 1e8 and rate_bits_per_s("1gbit") == 1e9 and rate_bits_per_s("20mbit") == 2e7
+    assert parse_rate("100mbit") == 1e8 and parse_rate("1gbit") == 1e9 and parse_rate("20mbit") == 2e7
     # 2 micro-batches of 8 at 16 samples/s compute-only: 1 s; 12.5 MB at 100 Mbit/s: 1 s -> limit 1 s
     rows = [{"mode": "x", "compute_only_samples_per_s": 16.0, "global_micro_batches_per_step": 2,
              "wire_bytes_per_step_engine": 12.5e6, "step_time_median_s": 2.0, "samples_per_s": 8.0,
@@ -95,7 +98,7 @@ def test_later_seeds_use_the_lr_the_sweep_seeds_chose():
 
 
 def test_merge_adds_seeds_to_an_earlier_table(tmp_path):
-    from recipes.benchmark import load_runs
+    from benchmarks.runner import load_runs
 
     args = parse_args(["--modes", "torch-ddp-acc1,zero1", "--seeds", "1"])
     first = aggregate(args, [fake_run("torch-ddp-acc1", 1e-3, 0, 2.5), fake_run("zero1", 1e-3, 0, 2.6)], [20.0])

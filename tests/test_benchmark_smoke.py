@@ -1,5 +1,6 @@
-"""Smoke test of recipes/benchmark.py: a small model (2 x 128, big enough that payload, not
-per-packet headers, dominates the tx counters), 2 workers on 1 Gbit/s links, two modes.
+"""Smoke test of recipes/benchmark.py (through benchmarks/runner.py, worker.py, report.py and
+plots.py): a small model (2 x 128, big enough that payload, not per-packet headers, dominates the
+tx counters), 2 workers on 1 Gbit/s links, two modes.
 
 Needs root (the testbed builds network namespaces); skipped with the testbed's reason otherwise.
 Checks the exit status, the JSON fields, that the wire bytes each mode accounts for agree with

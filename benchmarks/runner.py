@@ -1,0 +1,279 @@
+"""The benchmark's orchestration: which runs (seed, lr, mode), one worker process per testbed
+namespace for each (``benchmarks/worker.py``), their outputs summarized into one record per run,
+and the JSON rewritten after every run.
+
+Wall time starts after a barrier once every worker has built its model and connected (start-up
+is reported separately) and excludes evaluation: parameters are copied at the eval points and
+evaluated after training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.report import aggregate, fmt
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+# Every worker, DDP and compute-only included, runs with the malloc settings the engine applies to
+# itself on CPU (engine/cpu_memory.py): they take ~11% off a forward+backward too, so leaving
+# them to the engine alone would not be a like-for-like comparison.
+SAME_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_MAX_": "0"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def runs_for_seed(args, seed: int, done: list[dict]) -> list[tuple[float, str]]:
+    """(lr, mode) pairs for one seed: every lr while sweeping; after --sweep-seeds, each mode's best."""
+    if args.mode_lr:
+        return [(args.mode_lr.get(m, args.lr), m) for m in args.modes]
+    if not args.lr_sweep or args.sweep_seeds is None or seed < args.sweep_seeds:
+        return [(lr, m) for lr in args.lrs for m in args.modes]
+    out = []
+    for m in args.modes:
+        by_lr: dict[float, list[float]] = {}
+        for r in done:  # the sweep seeds only, as aggregate() scores them
+            if r["mode"] == m and r["final_loss"] is not None and r["seed"] < args.sweep_seeds:
+                by_lr.setdefault(r["lr"], []).append(r["final_loss"])
+        best = min(by_lr, key=lambda lr: statistics.median(by_lr[lr])) if by_lr else args.lr
+        out.append((best, m))
+    return out
+
+
+def cpu_for(args, rank: int) -> str:
+    ncpu = os.cpu_count() or 1
+    if args.hetero:
+        if ncpu < 2:
+            raise SystemExit("--hetero needs 2 cores")
+        return "0" if rank < 2 else "1"
+    return str(rank % ncpu)
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def base_spec(args, seed: int) -> dict:
+    return {
+        "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch, "seed": seed, "heldout": args.heldout,
+        "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
+        "max_round_overhead": args.max_round_overhead,
+    }
+
+
+def worker_env(args, port: int | None) -> dict[str, str]:
+    env = {"WORLD_SIZE": str(args.workers), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1", **SAME_MALLOC}
+    if port is not None:
+        env["MASTER_PORT"] = str(port)
+    return env
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    """Wait for every worker (20 s more once one failed, so the others can notice and report),
+    kill what is left at the deadline; their exit codes."""
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    while any(p.poll() is None for p in procs):
+        bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if bad and failed is None:
+            failed = bad
+            deadline = min(deadline, time.monotonic() + 20)  # let the others notice and report
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+def failure_report(name: str, codes: list[int], logs: list[str]) -> str:
+    tails = []
+    for r, logp in enumerate(logs):
+        with open(logp, errors="replace") as f:
+            tail = f.read()[-1500:]
+        tails.append(f"--- rank {r} (exit {codes[r]}), {logp}:\n{tail}")
+    return f"{name}: worker exit codes {codes}\n" + "\n".join(tails)
+
+
+def launch(tb, args, spec: dict, name: str, workdir: str, port: int | None) -> list[dict]:
+    """Start one process per worker namespace, wait, return their JSON outputs (rank order)."""
+    procs, outs, logs = [], [], []
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = worker_env(args, port)
+    for r in range(args.workers):
+        out = os.path.join(workdir, f"{name}.rank{r}.json")
+        logp = os.path.join(workdir, f"{name}.rank{r}.log")
+        outs.append(out)
+        logs.append(logp)
+        with open(logp, "w") as lf:
+            procs.append(tb.popen(r, [sys.executable, WORKER, spec_path, out],
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, cpu=cpu_for(args, r),
+                                  stdout=lf, stderr=subprocess.STDOUT))
+    codes = wait_all(procs, args.run_timeout)
+    if any(c != 0 for c in codes):
+        raise RunFailed(failure_report(name, codes, logs))
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def compute_only(tb, args, workdir: str, tag: str) -> float:
+    """samples/s of the same workers doing fwd+bwd with no communication (world size 1 each)."""
+    spec = {**base_spec(args, 0), "role": "compute", "compute_micro_batches": args.compute_micro_batches}
+    res = launch(tb, args, spec, f"compute-{tag}", workdir, None)
+    rate = sum(args.micro_batch / statistics.median(r["micro_batch_s"]) for r in res)
+    log(f"compute-only ({tag}): {rate:.2f} samples/s; micro-batch s per rank: "
+        + ", ".join(f"{statistics.median(r['micro_batch_s']):.3f}" for r in res))
+    return rate
+
+
+def eval_points(args) -> list[int]:
+    n = args.eval_points
+    return sorted({max(1, round(args.samples * (i + 1) / n)) for i in range(n)})
+
+
+def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
+    r0 = res[0]
+    hist = r0["history"]
+    world = len(res)
+    evals = []
+    for i, row in enumerate(r0["evals"]):
+        loss = res[i % world]["evals"][i].get("loss")
+        evals.append({"samples": row["samples"], "time_s": row["time_s"], "step": row["step"], "loss": loss})
+    samples = sum(h["samples"] for h in hist)
+    train_s = max(r["train_s"] for r in res)
+    ratios = [r["tx_bytes"] / r["accounted_bytes"] if r.get("tx_bytes") and r["accounted_bytes"] else None
+              for r in res]
+    steps = len(hist)
+    return {
+        "mode": mode, "lr": lr, "seed": seed, "steps": steps, "samples": samples, "train_s": train_s,
+        "startup_s": max(r["startup_s"] for r in res),
+        "step_time_median_s": statistics.median(h["time_s"] for h in hist) if hist else None,
+        "samples_per_s": samples / train_s if train_s else None,
+        "global_micro_batches_median": statistics.median(h["global_micro_batches"] for h in hist) if hist else None,
+        "global_micro_batches_mean": statistics.fmean(h["global_micro_batches"] for h in hist) if hist else None,
+        "wire_bytes_per_step_engine": statistics.median(h["wire_bytes"] for h in hist) if hist else None,
+        "wire_bytes_per_step_tx": r0["tx_bytes"] / steps if r0.get("tx_bytes") is not None and steps else None,
+        "accounted_bytes_per_rank": [r["accounted_bytes"] for r in res],
+        "tx_bytes_per_rank": [r.get("tx_bytes") for r in res],
+        "tx_over_engine_per_rank": ratios,
+        "thread_cpu_s_per_rank": [r.get("thread_cpu_s") for r in res],
+        "min_micro_batches_median": statistics.median(h.get("min_micro_batches", 0) for h in hist) if hist else None,
+        "comm_cpu_s_per_round": statistics.median(r0["comm_cpu_s"][1:]) if len(r0.get("comm_cpu_s") or []) > 1 else None,
+        "micro_batches_per_rank": [sum(h["micro_batches"] for h in r["history"]) for r in res],
+        "evals": evals,
+        "final_loss": evals[-1]["loss"] if evals else None,
+        "history": [{k: h[k] for k in ("step", "loss", "samples", "global_micro_batches", "wire_bytes", "time_s")}
+                    for h in hist],
+        "timeline": [t for r in res for t in shift_timeline(r, r0)],
+        **phase_summary(res),
+    }
+
+
+def phase_summary(res: list[dict]) -> dict:
+    """Where the time goes: median duration per phase, and how busy each worker's compute was."""
+    durations: dict[str, list[float]] = {}
+    busy = []
+    for r in res:
+        compute = 0.0
+        for ph, _, a, b, _ in r["timeline"]:
+            durations.setdefault(ph, []).append(b - a)
+            if ph.startswith("compute"):
+                compute += b - a
+        busy.append(compute / r["train_s"] if r["train_s"] else None)
+    return {"phase_median_s": {ph: statistics.median(v) for ph, v in durations.items()},
+            "phase_total_s": {ph: sum(v) / len(res) for ph, v in durations.items()},
+            "compute_busy_per_rank": busy}
+
+
+def shift_timeline(r: dict, r0: dict) -> list:
+    d = r["t0_abs"] - r0["t0_abs"]  # put every rank on rank 0's clock
+    return [[ph, rank, a + d, b + d, idx] for ph, rank, a, b, idx in r["timeline"]]
+
+
+
+def train_run(tb, args, workdir: str, mode: str, lr: float, seed: int, port: int) -> dict:
+    """One training run of ``mode`` on every worker; its summary (RunFailed if a worker failed)."""
+    name = f"{mode}-lr{lr:g}-s{seed}".replace("+", "_")
+    spec = {**base_spec(args, seed), "role": "train", "mode": mode, "lr": lr,
+            "samples": args.samples, "eval_points": eval_points(args),
+            "max_micro_batches": args.max_micro_batches, "comm_chunks": args.comm_chunks,
+            "group_size": args.group_size}
+    t = time.monotonic()
+    res = launch(tb, args, spec, name, workdir, port)
+    run = summarize_run(mode, lr, seed, res)
+    log(f"{name}: {run['steps']} steps, {run['samples']} samples in {run['train_s']:.1f} s "
+        f"({run['samples_per_s']:.2f}/s, start-up {run['startup_s']:.1f} s), held-out "
+        f"{fmt(run['final_loss'], '.3f')}, tx/mode {run['tx_over_engine_per_rank']}, "
+        f"run {time.monotonic() - t:.0f} s")
+    return run
+
+
+def run_all(args, workdir: str, runs: list[dict], compute_rates: list[float]) -> list[str]:
+    """Every run of the benchmark in one testbed (built here, torn down on the way out), seed by
+    seed, each seed after a compute-only measurement. Appends to ``runs`` and ``compute_rates``
+    as they finish and rewrites the JSON after every run; returns the failed runs' reports."""
+    from benchmarks.testbed import LinkSpec, Testbed
+
+    failures: list[str] = []
+    port = 29500
+    with Testbed(workers=args.workers, link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            compute_rates.append(compute_only(tb, args, workdir, f"s{seed}"))
+            for lr, mode in runs_for_seed(args, seed, runs):
+                port += 1
+                try:
+                    run = train_run(tb, args, workdir, mode, lr, seed, port)
+                except RunFailed as e:
+                    failures.append(str(e))
+                    log(f"FAILED {e}")
+                    continue
+                runs.append(run)
+                write_outputs(args, runs, compute_rates, final=False)
+        if not args.no_compute_at_end:
+            compute_rates.append(compute_only(tb, args, workdir, "end"))
+    return failures
+
+
+def write_outputs(args, runs, compute_rates, final: bool) -> list[dict]:
+    rows = aggregate(args, runs, compute_rates)
+    if args.json:
+        doc = {"command": " ".join(shlex.quote(a) for a in sys.argv), "complete": final,
+               "config": {k: v for k, v in vars(args).items()}, "compute_only_samples_per_s": compute_rates,
+               "load_average": os.getloadavg(), "modes": rows}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, args.json)
+    return rows
+
+
+def load_runs(path: str) -> tuple[list[dict], list[float]]:
+    """The per-run summaries and compute-only rates of an earlier --json (no timelines)."""
+    with open(path) as f:
+        doc = json.load(f)
+    runs = [r for o in doc["modes"] for r in o["runs"]]
+    for r in runs:
+        r.setdefault("timeline", [])
+        r.setdefault("history", [])
+    return runs, list(doc["compute_only_samples_per_s"])
+
