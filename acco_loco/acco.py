@@ -37,6 +37,7 @@ class RoundPlan:
     name: str
     overlap: bool  # compute runs while a round is in flight
     kinds: tuple[RoundKind, ...]  # the rounds of one optimizer step, in order
+    local_steps: int = 0  # optimizer steps each worker takes alone between rounds (DiLoCo's H)
 
     def kind(self, round_index: int) -> RoundKind:
         return self.kinds[round_index % len(self.kinds)]

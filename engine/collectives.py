@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from acco_loco.feedback import ErrorFeedback
+from acco_loco.feedback import ErrorFeedback, compress
 from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, parse_grad_codec
 
 from .comm import Comm
@@ -77,12 +77,9 @@ class CompressedGrads:
         """(payload, scales) of this worker's compensated mean gradient; the error state moves on.
         A non-finite gradient is not encoded: zeros go out, and the error is kept as it was."""
         mean = full.to(torch.float32) / max(count, 1) if finite else torch.zeros(full.numel(), device=full.device)
-        h = self.feedback.compensate(mean)
-        if not self.feedback.active:
-            return self.codec.encode(h, self.generator)
-        payload, scales, sent = self.codec.encode_with_decoded(h, self.generator)
-        if finite and count > 0:  # a worker with nothing to send keeps its error for the next round
-            self.feedback.update(h, sent)
+        if not self.feedback.active:  # nothing to compensate: no decoded copy needed
+            return self.codec.encode(mean, self.generator)
+        payload, scales, _ = compress(mean, self.codec, self.feedback, self.generator, update=finite and count > 0)
         return payload, scales
 
     def reduce(self, comm: Comm, full: torch.Tensor, count: int, finite: bool = True) -> torch.Tensor:

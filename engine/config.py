@@ -214,7 +214,7 @@ _RULES: dict[str, Rule] = {
     "max_micro_batches": _optional(_int(1), "no cap"),
     "max_round_overhead": _float(0, 1, high_open=True, note="0 turns it off"),
     "max_steps": _int(1),
-    "optimizer": _choice(OPTIMIZERS),
+    "optimizer": _choice(tuple(OPTIMIZERS)),
     "lr": _float(0, low_open=True),
     "betas": _betas,
     "eps": _float(0, low_open=True),

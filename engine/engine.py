@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from acco_loco.acco import RoundKind
-from acco_loco.optim import ShardState
+from acco_loco.optim import init_state
 
 from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
@@ -120,7 +120,7 @@ class Engine:
         self.flat.data.copy_(padded32)
         grads, params = make_collectives(cfg, self.flat.padded, world, device, rank, dtype)
         self.ctx = RoundContext(cfg=cfg, comm=self.comm, flat=self.flat, spec=self.spec,
-                                shard_state=ShardState.create(self.flat.shard(padded32, rank), self.spec),
+                                shard_state=init_state(self.flat.shard(padded32, rank), self.spec),
                                 grads=grads, params=params,
                                 gather_buf=self.flat.data.clone())  # what every replica holds after the last round
         del padded32, flat32
