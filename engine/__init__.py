@@ -1,7 +1,8 @@
 """The runtime: process groups, flat buffers, the comm thread/stream, checkpoints."""
 
 from .config import EngineConfig
-from .engine import Engine, default_loss
+from .engine import Engine
+from .loss import default_loss
 from .rounds import NonFiniteGradientError
 from .watchdog import WorkerLostError
 

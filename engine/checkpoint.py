@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 
 from .config import STRUCTURAL_FIELDS, EngineConfig
+from .loss import default_loss
 
 log = logging.getLogger("acco_loco")
 
@@ -41,8 +42,7 @@ FORMAT = 1  # checksums and loss_fn are optional additions: format-1 readers ign
 LATEST = "latest"
 CHECKSUMS = "checksums"  # safetensors metadata key (and engine.json field: the algorithm)
 CHECKSUM_ALGO = "blake2b-128"
-# Engine's default loss (engine/engine.py), by name: importing it here would be circular
-DEFAULT_LOSS = f"{__name__.rpartition('.')[0]}.engine.default_loss"
+DEFAULT_LOSS = f"{default_loss.__module__}.{default_loss.__qualname__}"  # recorded as null
 _UNRECORDED = object()  # engine.json of a checkpoint written before loss_fn was recorded
 
 

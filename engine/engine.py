@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -29,51 +29,17 @@ from .collectives import codec_groups, make_collectives
 from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
+from .loss import LossFn, batch_size, default_loss
 from .pacing import Pacer
 from .rounds import RoundContext, RoundRequest, RoundResult
 from .state import EngineState
 from .strategies import make_strategy
 from .streams import CommWorker, RoundHandle
-from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
+from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError, may_be_peer_failure
 
 log = logging.getLogger("acco_loco")
 
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 _END = object()
-
-
-def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """``model(**batch).loss`` for dict batches (Hugging Face causal LMs with labels)."""
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batches of type {type(batch).__name__} need a loss_fn(model, batch) -> "
-                        "scalar loss; the default only handles dict batches as model(**batch).loss")
-    out = model(**batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    if loss is None:
-        raise TypeError("model(**batch) returned no loss: put labels in the batch or pass loss_fn")
-    return loss
-
-
-def _may_be_peer_failure(exc: BaseException) -> bool:
-    """Collective and time-out failures may come from a lost peer; a TypeError in a codec cannot."""
-    import torch.distributed as dist
-
-    peer_errors = (TimeoutError, ConnectionError, getattr(dist, "DistError", RuntimeError))
-    return isinstance(exc, peer_errors) or type(exc) is RuntimeError
-
-
-def batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if isinstance(item, torch.Tensor) and item.dim():
-                return item.shape[0]
-    return 1
 
 
 class Engine:
@@ -105,25 +71,8 @@ class Engine:
         self.comm = Comm(rank, world, cfg.comm_chunks)
         self.device = device
 
-        # fp32 values of rank 0 define every replica's start and every master shard
-        flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
-        dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-        if not dtype.is_floating_point:
-            raise TypeError(f"trainable parameters must be floating point, got {dtype}")
-        if cfg.compute_dtype != "auto":
-            model.to(dtype)
-        unit = math.lcm(cfg.align, *codec_groups(cfg))
-        self.flat = FlatParams([p for _, p in named], [n for n, _ in named], world, unit, dtype)
-        padded32 = torch.zeros(self.flat.padded, dtype=torch.float32, device=device)
-        padded32[:flat32.numel()] = flat32
-        self.comm.broadcast_(padded32, src=0)
-        self.flat.data.copy_(padded32)
-        grads, params = make_collectives(cfg, self.flat.padded, world, device, rank, dtype)
-        self.ctx = RoundContext(cfg=cfg, comm=self.comm, flat=self.flat, spec=self.spec,
-                                shard_state=init_state(self.flat.shard(padded32, rank), self.spec),
-                                grads=grads, params=params,
-                                gather_buf=self.flat.data.clone())  # what every replica holds after the last round
-        del padded32, flat32
+        self.ctx = self._place_parameters(named, rank, world)
+        self.flat = self.ctx.flat
         self.worker = CommWorker(device)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
@@ -147,6 +96,28 @@ class Engine:
         self._cpu_mark = (time.process_time(), time.thread_time())
         self._stop_at = cfg.max_steps  # fit(steps=...) stops its call earlier
         self._closed = False
+
+    def _place_parameters(self, named: list, rank: int, world: int) -> RoundContext:
+        """Flatten the trainable parameters into one padded buffer, start every replica from
+        rank 0's fp32 values, and build what the rounds work with around it."""
+        cfg, device = self.cfg, self.device
+        # fp32 values of rank 0 define every replica's start and every master shard
+        flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+        dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
+        if not dtype.is_floating_point:
+            raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+        if cfg.compute_dtype != "auto":
+            self.model.to(dtype)
+        flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
+                          math.lcm(cfg.align, *codec_groups(cfg)), dtype)
+        padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
+        padded32[:flat32.numel()] = flat32
+        self.comm.broadcast_(padded32, src=0)
+        flat.data.copy_(padded32)
+        grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
+        return RoundContext(cfg=cfg, comm=self.comm, flat=flat, spec=self.spec,
+                            shard_state=init_state(flat.shard(padded32, rank), self.spec), grads=grads,
+                            params=params, gather_buf=flat.data.clone())  # what every replica holds
 
     # ------------------------------------------------------------------ public API
     @property
@@ -421,7 +392,7 @@ class Engine:
     def _explain(self, exc: Exception, where: str) -> Exception:
         """The error a user should see for a failed round: the round's own exception (with
         where it happened), or WorkerLostError when the failure is a peer that died or stalled."""
-        if self.world_size > 1 and _may_be_peer_failure(exc):
+        if self.world_size > 1 and may_be_peer_failure(exc):
             lost = self.watchdog.diagnose(where)
             if lost.ranks or isinstance(exc, TimeoutError):
                 return lost

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch.distributed as dist
+
 
 # why a rank closed its engine, published with its last heartbeat
 EXIT_DONE = "done"
@@ -111,3 +113,9 @@ class Watchdog:
                 self._publish(reason)
             except Exception:
                 pass  # the store is gone with rank 0: nobody is left to tell
+
+
+def may_be_peer_failure(exc: BaseException) -> bool:
+    """Collective and time-out failures may come from a lost peer; a TypeError in a codec cannot."""
+    peer_errors = (TimeoutError, ConnectionError, getattr(dist, "DistError", RuntimeError))
+    return isinstance(exc, peer_errors) or type(exc) is RuntimeError
