@@ -412,6 +412,10 @@ class Engine:
     def _progress_bar(self):
         if not self.cfg.progress or self.rank != 0:
             return None
-        from tqdm.auto import tqdm
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as exc:
+            raise ImportError("progress=True draws its bar with tqdm: pip install tqdm (or the [hf] extra), "
+                              "or leave progress off") from exc
 
         return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.strategy}", unit="step")
