@@ -104,11 +104,17 @@ def _ceil_to_bf16(s: Tensor) -> Tensor:
     return bits.view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
 
 
+def _branch_free(x: Tensor) -> bool:
+    """Under torch.compile or on an accelerator, where reading a value on the host would stall
+    the device, take the path that needs no host read."""
+    return torch.compiler.is_compiling() or x.device.type != "cpu"
+
+
 def _group_rms(xg: Tensor) -> Tensor:
     """sqrt(mean(x**2)) per row in fp32, safe against overflow/underflow of the squares."""
     g = xg.shape[1]
-    if torch.compiler.is_compiling():
-        # branch-free (no host sync, no graph break): always scale by absmax; fuses into one read
+    if _branch_free(xg):
+        # no host sync, no graph break: always scale by absmax; fuses into one read
         amax = xg.abs().amax(dim=1, keepdim=True)
         safe = torch.where(amax > 0, amax, torch.ones_like(amax))
         return amax.squeeze(1) * torch.linalg.vector_norm(xg / safe, dim=1) * (1.0 / math.sqrt(g))

@@ -318,14 +318,14 @@ class ErrorFeedback:
 
 def compress(
     x: Tensor, codec: Codec, feedback: ErrorFeedback, generator: torch.Generator | None = None,
-    *, update: bool = True,
+    *, update: bool = True, check_finite: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Compensate, encode and update in one call: returns ``(payload, scales, sent)`` where
     ``sent = deQ(payload, scales)`` (fp32).  If ``encode`` raises (NaN/Inf), the error state
     is left untouched; ``update=False`` leaves it untouched too (a worker with nothing to send
     keeps its error for the next round)."""
     h = feedback.compensate(x)
-    payload, scales, sent = codec.encode_with_decoded(h, generator)
+    payload, scales, sent = codec.encode_with_decoded(h, generator, check_finite=check_finite)
     if update:
         feedback.update(h, sent)
     return payload, scales, sent

@@ -21,7 +21,7 @@ from acco_loco.feedback import ErrorFeedback, compress
 from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, parse_grad_codec
 
 from .comm import Comm
-from .flat import nonfinite_rows
+from .host import nonfinite_rows
 
 
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +42,7 @@ class PlainGrads:
 
     feedback = None
 
-    def reduce(self, comm: Comm, full: torch.Tensor, count: int, finite: bool = True) -> torch.Tensor:
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
         return comm.reduce_scatter_sum(full)
 
     def begin_step(self) -> None:
@@ -73,37 +73,37 @@ class CompressedGrads:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
 
-    def encode(self, full: torch.Tensor, count: int, finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scales) of this worker's compensated mean gradient; the error state moves on.
-        A non-finite gradient is not encoded: zeros go out, and the error is kept as it was."""
-        mean = full.to(torch.float32) / max(count, 1) if finite else torch.zeros(full.numel(), device=full.device)
+
+        Nothing here reads the gradient on the host: a non-finite gradient is encoded like any
+        other (the codecs map it to non-finite or zero groups), the round's flags make every
+        rank skip the step, and the skip rolls the error state back to the step's mark."""
+        mean = full.to(torch.float32) / max(count, 1)
         if not self.feedback.active:  # nothing to compensate: no decoded copy needed
-            return self.codec.encode(mean, self.generator)
-        payload, scales, _ = compress(mean, self.codec, self.feedback, self.generator, update=finite and count > 0)
+            return self.codec.encode(mean, self.generator, check_finite=False)
+        payload, scales, _ = compress(mean, self.codec, self.feedback, self.generator, update=count > 0,
+                                      check_finite=False)
         return payload, scales
 
-    def reduce(self, comm: Comm, full: torch.Tensor, count: int, finite: bool = True) -> torch.Tensor:
-        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard. A non-finite
-        gradient goes out as zeros with weight 0; the round's flags make every rank skip."""
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
+        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard."""
         n = self.world
         shard = full.numel() // n
-        count = count if finite else 0
-        payload, scales = self.encode(full, count, finite)
+        payload, scales = self.encode(full, count)
         p_len = payload.numel() // n
         s_len = scales.numel() * scales.element_size() // n
         weight = torch.tensor([float(count)], dtype=torch.float32, device=full.device).view(torch.uint8)
         rows = torch.cat([payload.view(n, p_len), _scale_bytes(scales).view(n, s_len),
                           weight.view(1, -1).expand(n, -1)], dim=1)
         received = comm.all_to_all_rows(rows)
+        weights = _bytes_as(received[:, p_len + s_len:], torch.float32).view(n)  # stays on the device
         out = torch.zeros(shard, dtype=torch.float32, device=full.device)
         part = torch.empty(shard, dtype=torch.float32, device=full.device)
-        for row in received:
-            w = float(_bytes_as(row[p_len + s_len:], torch.float32))
-            if w == 0.0:
-                continue
+        for j, row in enumerate(received):
             row_scales = _bytes_as(row[p_len:p_len + s_len], scales.dtype)
             self.codec.decode(row[:p_len].contiguous(), row_scales, out=part)
-            out.add_(part, alpha=w)
+            out.addcmul_(part, weights[j])
         return out
 
     def begin_step(self) -> None:
@@ -170,8 +170,8 @@ class DeltaParams:
         mine = held[rank * shard:(rank + 1) * shard].to(torch.float32)
         delta = new_shard.to(torch.float32) - mine
         payload, scales = self.codec.encode(delta, check_finite=False)
-        if nonfinite_rows(delta.view(1, -1)):
-            scales.fill_(float("nan"))  # a NaN group would encode as scale 0: say it in the scales
+        # a NaN group would encode as scale 0: say it in the scales, on the device
+        scales = torch.where(torch.isfinite(delta).all(), scales, float("nan")).to(scales.dtype)
         row = torch.cat([payload, _scale_bytes(scales)])
         rows = torch.empty((n, row.numel()), dtype=torch.uint8, device=row.device)
         comm.all_gather(row, rows.view(-1))

@@ -319,6 +319,9 @@ class Engine:
             grad_index=self.flat.active, count=self.state.pending_count, samples=self.state.pending_samples,
             loss_sum=self.state.pending_loss.clone(), exhausted=exhausted,
             first_of_step=self.round_index % self.plan.rounds_per_step == 0)
+        if self.worker.stream is not None:
+            # the comm stream reads this compute-stream tensor: keep its memory until it has
+            req.loss_sum.record_stream(self.worker.stream)
         handle = self.worker.submit(req.index, partial(self.strategy.run_round, self.ctx, req))
         self._submitted_at = time.perf_counter()
         self.state.round_index += 1

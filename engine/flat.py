@@ -66,10 +66,3 @@ class FlatParams:
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
 
-
-def nonfinite_rows(rows: torch.Tensor) -> list[int]:
-    """Indices of the rows of a 2-D tensor that hold a NaN or an Inf (one pass when all are finite)."""
-    lo, hi = torch.aminmax(rows)
-    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
-        return []
-    return [j for j in range(rows.shape[0]) if not bool(torch.isfinite(rows[j]).all())]

@@ -4,7 +4,6 @@ what every strategy's rounds work with (RoundContext). The rounds themselves liv
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +53,9 @@ class RoundResult:
     skip_reason: str = ""  # why a skipped step was skipped, for the warning
 
 
-def squared_norm(x: torch.Tensor) -> torch.Tensor:
-    """sum(x**2): an fp32 dot (one pass, no temporary), redone in float64 if it overflowed."""
-    sq = torch.dot(x, x) if x.dtype == torch.float32 else x.to(torch.float32).square().sum()
-    if not math.isfinite(float(sq)):
-        sq = torch.linalg.vector_norm(x, dtype=torch.float64).square()
-    return sq
+def squared_norm_f64(x: torch.Tensor) -> torch.Tensor:
+    """sum(x**2) accumulated in float64 (for sums of squares that overflow fp32)."""
+    return torch.linalg.vector_norm(x, dtype=torch.float64).square()
 
 
 @dataclass

@@ -3,8 +3,12 @@
 CPU (gloo): the thread runs the round's collectives and optimizer step while the caller keeps
 computing. CUDA (NCCL): the thread enqueues the round on a dedicated comm stream; the caller
 records an event on its compute stream at submission that the comm stream waits on, and the
-comm stream records a ``done`` event that the compute stream waits on at install. The CPU never
-synchronises with the GPU after a micro-batch; ``done()`` only queries the event.
+comm stream records a ``done`` event that the compute stream waits on at install. The compute
+loop never synchronises with the GPU after a micro-batch; ``done()`` only queries the event. The
+comm thread reads device values on the host twice per round (engine/host.py: the small
+all-reduce's counts and flags, and whether the gathered parameters are finite), which waits for
+the comm stream only. A tensor made on one stream and read on the other is either persistent
+(the flat buffers, the gathered parameters) or kept alive with ``record_stream``.
 
 One thread for every collective means ranks can never disagree on the order of collectives.
 """

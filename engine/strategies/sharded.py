@@ -21,7 +21,8 @@ from acco_loco.acco import KeptHalf, RoundKind, step_gradient
 from acco_loco.optim import ShardState, clip_coefficient, propose_step
 from acco_loco.schedule import lr_at
 
-from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm
+from ..host import nonfinite_flag, to_host
+from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from .base import Strategy
 
 
@@ -58,8 +59,8 @@ class ShardedStrategy(Strategy):
 
         t = time.perf_counter()
         # [what to send] gradient sum of this worker's micro-batches
-        local_bad = not all(math.isfinite(float(v)) for v in torch.aminmax(full))  # NaN propagates
-        grad_sum = ctx.grads.reduce(comm, full, req.count, finite=not local_bad)
+        local_bad = nonfinite_flag(full)  # a device flag: the small all-reduce carries it
+        grad_sum = ctx.grads.reduce(comm, full, req.count)
         phases["reduce_scatter"] = (t, time.perf_counter())
 
         t = time.perf_counter()
@@ -97,19 +98,23 @@ class ShardedStrategy(Strategy):
             phases=phases, skip_reason=totals.reason)
 
 
-def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: bool,
+def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: torch.Tensor,
           kept: KeptHalf | None) -> RoundTotals:
-    """One small all-reduce carries counts, loss, the squared norm and every rank's flags."""
+    """One small all-reduce carries counts, loss, the squared norm and every rank's flags; it is
+    the round's one host read (engine/host.py)."""
     n, rank = ctx.comm.world_size, ctx.comm.rank
     small = torch.zeros(4 + 2 * n, dtype=torch.float64, device=step_sum.device)
     small[0], small[1] = req.count, req.samples
     small[2] = req.loss_sum.to(torch.float64)
-    small[3] = squared_norm(step_sum)
+    small[3] = torch.dot(step_sum, step_sum).to(torch.float64)  # fp32: one pass, no temporary
     small[4 + rank] = float(req.exhausted)
-    small[4 + n + rank] = float(local_bad)
-    small = ctx.comm.all_reduce_sum(small).cpu()
+    small[4 + n + rank] = local_bad
+    small = to_host(ctx.comm.all_reduce_sum(small))
     round_count, round_samples, round_loss = int(small[0]), int(small[1]), float(small[2])
     own_bad = {i for i in range(n) if small[4 + n + i] > 0}
+    if not own_bad and not math.isfinite(float(small[3])):
+        # finite gradients whose fp32 sum of squares overflowed: redo it in float64 (rare)
+        small[3] = float(to_host(ctx.comm.all_reduce_sum(squared_norm_f64(step_sum).reshape(1)))[0])
     # an estimate half that was bad spoils the whole step, even if this half is clean
     bad_ranks = sorted(own_bad | set(kept.bad_ranks if kept else ()))
     count, samples, loss_sum = round_count, round_samples, round_loss
