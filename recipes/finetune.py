@@ -331,41 +331,34 @@ def plot(metrics_file: Path, png: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ main
-def run(cfg: FinetuneConfig) -> None:
+def make_accelerator(cfg: FinetuneConfig, out: Path):
+    """accelerate starts the processes and the trackers; it never wraps the model."""
     from accelerate import Accelerator, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
 
-    out = Path(cfg.output_dir).expanduser().resolve()
-    ckpt_root = out / "checkpoints"
-    metrics_file = out / "metrics.jsonl"
-    check_report_to(cfg)
-    accelerator = Accelerator(
+    return Accelerator(
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")))
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    say = accelerator.print
-    t_start = time.perf_counter()
 
-    # refuse cheap mistakes before loading anything
-    compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
-    ecfg = engine_config(cfg, compute_dtype, ckpt_root)
-    check_output_dir(cfg, out)
-    prepare_output_dir(out, rank)
-    if cfg.train_layers < 1:
-        raise RecipeError(f"--train-layers must be at least 1, got {cfg.train_layers}")
 
-    # data
+def load_texts(cfg: FinetuneConfig) -> tuple[list, list]:
+    """(training documents, held-out documents)."""
     try:
         docs = load_text_documents(None if cfg.dataset == "shakespeare" else cfg.dataset)
         if len(docs) == 1 and cfg.heldout is None:
-            train_docs, held_docs = split_heldout(docs, heldout_fraction=0.1)
-        else:
-            train_docs, held_docs = split_heldout(docs, cfg.heldout)
+            return split_heldout(docs, heldout_fraction=0.1)
+        return split_heldout(docs, cfg.heldout)
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as exc:
         raise RecipeError(f"--dataset {cfg.dataset!r}: {exc}") from exc
 
+
+def prepare_model_and_data(cfg: FinetuneConfig, accelerator, compute_dtype: str):
+    """The model with only its top blocks trainable, this worker's micro-batch stream and the
+    held-out tokens."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    train_docs, held_docs = load_texts(cfg)
     model, tokenizer = load_model(cfg, accelerator, Path.home() / ".cache" / "acco_loco" / "models")
     train_tokens = tokenize_documents(train_docs, tokenizer)
     held_tokens = tokenize_documents(held_docs, tokenizer)
@@ -380,101 +373,143 @@ def run(cfg: FinetuneConfig) -> None:
         raise RecipeError(f"--train-layers {cfg.train_layers}: the model has {n_blocks} blocks")
     model.to(accelerator.device)
     n_train = freeze_all_but_top(model, cfg.train_layers)
-    say(f"{world} worker(s) on {accelerator.device}, compute {compute_dtype}; trainable "
+    accelerator.print(
+        f"{world} worker(s) on {accelerator.device}, compute {compute_dtype}; trainable "
         f"{n_train / 1e6:.2f}M of {count_trainable_all(model) / 1e6:.1f}M parameters; "
         f"{train_tokens.numel()} training tokens ({len(train_docs)} docs), {held_tokens.numel()} "
         f"held-out ({', '.join(n for n, _ in held_docs[:3])})")
+    return model, tokenizer, stream, held_tokens
 
+
+def start_engine(cfg: FinetuneConfig, model, ecfg: EngineConfig, out: Path, main: bool, say):
+    """A fresh engine, or the latest checkpoint's (same trajectory: data from engine.consumed).
+    Returns (engine, elapsed seconds and samples logged before this run)."""
+    ckpt_root, metrics_file = out / "checkpoints", out / "metrics.jsonl"
+    if not cfg.resume:
+        if main and metrics_file.exists():
+            metrics_file.unlink()  # a fresh run in a dir without checkpoints
+        return Engine(model, ecfg, hf_lm_loss), 0.0, 0
+    try:
+        engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)
+    except (FileNotFoundError, ValueError) as exc:
+        raise RecipeError(f"--resume: {exc}") from exc
+    previous = read_metrics(metrics_file) if main else []
+    # drop lines past the checkpoint (a run killed after its last checkpoint)
+    kept = [r for r in previous if r.get("step", 0) <= engine.step]
+    if main and len(kept) != len(previous):
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    prev_train = [r for r in kept if r.get("kind") == "train"]
+    say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} "
+        f"(this worker consumed {engine.consumed} micro-batches)")
+    # the time axis continues from the last line kept
+    return (engine, max((r.get("elapsed_s", 0.0) for r in kept), default=0.0),
+            prev_train[-1]["samples_total"] if prev_train else 0)
+
+
+class RunLog:
+    """metrics.jsonl and the tracker, written by the main process; held-out evaluations."""
+
+    def __init__(self, cfg: FinetuneConfig, accelerator, metrics_file: Path, offset_s: float, samples_total: int):
+        self.cfg, self.accelerator, self.file = cfg, accelerator, metrics_file
+        self.main = accelerator.is_main_process
+        self.t0 = time.perf_counter() - offset_s
+        self.samples_total = samples_total
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def row(self, row: dict) -> None:
+        """One metrics.jsonl line, and the same numbers to the tracker (main process only)."""
+        if not self.main:
+            return
+        with open(self.file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.accelerator.log({name: row[k] for k, name in TRACKED[row["kind"]].items() if row.get(k) is not None},
+                             step=row["step"])
+
+    def evaluate(self, tag: str, model, held_tokens, step: int) -> float:
+        acc = self.accelerator
+        loss, ppl = evaluate(model, held_tokens, self.cfg, acc.process_index, acc.num_processes)
+        acc.print(f"[{tag}] step {step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
+        self.row({"kind": "eval", "tag": tag, "step": step, "eval_loss": loss, "eval_ppl": ppl,
+                  "samples_total": self.samples_total, "elapsed_s": self.elapsed()})
+        return ppl
+
+    def steps(self, history: list[dict], elapsed: float) -> None:
+        """A train line per committed step of every worker's history; each step's elapsed_s is
+        ``elapsed`` (the time when its fit call began) plus the time_s of the steps up to it."""
+        every = gather(history)
+        for i, entry in enumerate(every[0]):
+            per = [h[i] if i < len(h) else {} for h in every]
+            self.samples_total += entry["samples"]
+            elapsed += entry["time_s"]
+            self.row({
+                "kind": "train", "step": entry["step"], "loss": entry["loss"], "lr": entry["lr"],
+                "samples": entry["samples"], "samples_total": self.samples_total,
+                "wire_bytes": [h.get("wire_bytes") for h in per],
+                "time_s": entry["time_s"], "elapsed_s": elapsed,
+                "micro_batches": [h.get("micro_batches") for h in per],
+                "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
+
+
+def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: RunLog, say) -> None:
+    """Fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon."""
+    data = stream.iter_from(engine.consumed)
+    model.train()
+    while engine.step < cfg.max_steps:
+        steps = cfg.max_steps - engine.step
+        if cfg.eval_every:
+            steps = min(steps, cfg.eval_every - engine.step % cfg.eval_every)
+        start, elapsed = engine.step, log.elapsed()
+        log.steps(engine.fit(data, steps=steps), elapsed)
+        if engine.step == start:  # some worker's data ran out
+            say(f"stopped at step {engine.step}: the data ran out")
+            return
+        if engine.step < cfg.max_steps:
+            log.evaluate("eval", model, held_tokens, engine.step)
+            model.train()
+
+
+def run(cfg: FinetuneConfig) -> None:
+    out = Path(cfg.output_dir).expanduser().resolve()
+    ckpt_root = out / "checkpoints"
+    check_report_to(cfg)
+    accelerator = make_accelerator(cfg, out)
+    rank, main, say = accelerator.process_index, accelerator.is_main_process, accelerator.print
+    t_start = time.perf_counter()
+
+    # refuse cheap mistakes before loading anything
+    compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
+    ecfg = engine_config(cfg, compute_dtype, ckpt_root)
+    check_output_dir(cfg, out)
+    prepare_output_dir(out, rank)
+    if cfg.train_layers < 1:
+        raise RecipeError(f"--train-layers must be at least 1, got {cfg.train_layers}")
+
+    model, tokenizer, stream, held_tokens = prepare_model_and_data(cfg, accelerator, compute_dtype)
     if main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
     accelerator.wait_for_everyone()
-
-    # engine: a fresh one, or the latest checkpoint (same trajectory: data from engine.consumed)
-    if cfg.resume:
-        try:
-            engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)
-        except (FileNotFoundError, ValueError) as exc:
-            raise RecipeError(f"--resume: {exc}") from exc
-        previous = read_metrics(metrics_file) if main else []
-        # drop lines past the checkpoint (a run killed after its last checkpoint)
-        kept = [r for r in previous if r.get("step", 0) <= engine.step]
-        if main and len(kept) != len(previous):
-            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        prev_train = [r for r in kept if r.get("kind") == "train"]
-        # the time axis continues from the last line kept
-        offset_s = max((r.get("elapsed_s", 0.0) for r in kept), default=0.0)
-        samples_total = prev_train[-1]["samples_total"] if prev_train else 0
-        say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} "
-            f"(this worker consumed {engine.consumed} micro-batches)")
-    else:
-        engine = Engine(model, ecfg, hf_lm_loss)
-        offset_s, samples_total = 0.0, 0
-        if main and metrics_file.exists():
-            metrics_file.unlink()  # a fresh run in a dir without checkpoints
+    engine, offset_s, samples_total = start_engine(cfg, model, ecfg, out, main, say)
     if engine.step >= cfg.max_steps:
         say(f"the checkpoint is at step {engine.step} >= --max-steps {cfg.max_steps}: nothing to train")
-    t0 = time.perf_counter() - offset_s
     if cfg.report_to != "none":
         # hparams must be bool/str/int/float: None (heldout's default) becomes ""
         accelerator.init_trackers(TRACKER_PROJECT, config={k: "" if v is None else v
                                                            for k, v in dataclasses.asdict(cfg).items()},
                                   init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
-
-    def log_row(row: dict) -> None:
-        """One metrics.jsonl line, and the same numbers to the tracker (main process only)."""
-        with open(metrics_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        accelerator.log({name: row[k] for k, name in TRACKED[row["kind"]].items() if row.get(k) is not None},
-                        step=row["step"])
-
-    def log_eval(tag: str) -> float:
-        loss, ppl = evaluate(model, held_tokens, cfg, rank, world)
-        say(f"[{tag}] step {engine.step}: held-out loss {loss:.4f}, perplexity {ppl:.2f}")
-        if main:
-            log_row({"kind": "eval", "tag": tag, "step": engine.step, "eval_loss": loss, "eval_ppl": ppl,
-                     "samples_total": samples_total, "elapsed_s": time.perf_counter() - t0})
-        return ppl
-
-    ppl_before = log_eval("before")
-    data = stream.iter_from(engine.consumed)
-    model.train()
-    while engine.step < cfg.max_steps:
-        # fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon
-        steps = cfg.max_steps - engine.step
-        if cfg.eval_every:
-            steps = min(steps, cfg.eval_every - engine.step % cfg.eval_every)
-        start = engine.step
-        elapsed = time.perf_counter() - t0  # each step's elapsed_s adds its time_s to this
-        history = engine.fit(data, steps=steps)
-        every = gather(history)
-        if main:
-            for i, entry in enumerate(every[0]):
-                per = [h[i] if i < len(h) else {} for h in every]
-                samples_total += entry["samples"]
-                elapsed += entry["time_s"]
-                log_row({
-                    "kind": "train", "step": entry["step"], "loss": entry["loss"], "lr": entry["lr"],
-                    "samples": entry["samples"], "samples_total": samples_total,
-                    "wire_bytes": [h.get("wire_bytes") for h in per],
-                    "time_s": entry["time_s"], "elapsed_s": elapsed,
-                    "micro_batches": [h.get("micro_batches") for h in per],
-                    "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
-        if engine.step == start:  # some worker's data ran out
-            say(f"stopped at step {engine.step}: the data ran out")
-            break
-        if engine.step < cfg.max_steps:
-            log_eval("eval")
-            model.train()
-    ppl_after = log_eval("after")
+    log = RunLog(cfg, accelerator, out / "metrics.jsonl", offset_s, samples_total)
+    ppl_before = log.evaluate("before", model, held_tokens, engine.step)
+    train(cfg, engine, model, stream, held_tokens, log, say)
+    ppl_after = log.evaluate("after", model, held_tokens, engine.step)
 
     # final engine checkpoint (unless checkpoint_every just wrote it) and the plain model
-    last = ckpt_root / f"step-{engine.step:08d}"
-    if not (last / "engine.json").is_file():
+    if not (ckpt_root / f"step-{engine.step:08d}" / "engine.json").is_file():
         ckpt.save_periodic(engine, str(ckpt_root))
     engine.close()
     if main:
         save_pretrained_plain(model, tokenizer, out / "model")
-        plot(metrics_file, out / "loss.png")
+        plot(out / "metrics.jsonl", out / "loss.png")
     accelerator.wait_for_everyone()
     say(f"perplexity on the held-out text: {ppl_before:.2f} -> {ppl_after:.2f}; "
         f"step {engine.step}, {time.perf_counter() - t_start:.0f} s in this run; wrote {out}")
