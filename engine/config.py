@@ -27,19 +27,10 @@ SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which 
 
 
 @dataclass
-class EngineConfig:
-    # strategy and accumulation
-    strategy: str = "acco"  # zero1 | dpu | acco
-    micro_batches: int = 1  # per round ("fixed") or the minimum per round ("adaptive")
-    accumulation: str = "adaptive"  # adaptive | fixed
-    max_micro_batches: int | None = None  # adaptive: cap per round (keeps the batch small)
-    # adaptive, CPU: raise the minimum per round so that the comm side's CPU per round stays
-    # below this fraction of the round's compute (engine/pacing.py); 0 = off
-    max_round_overhead: float = 0.15
-    max_steps: int = 1000  # committed optimizer steps
+class OptimizerConfig:
+    """The shard optimizer (one flat fp32 shard per worker)."""
 
-    # optimizer (one flat fp32 shard per worker)
-    optimizer: str = "adamw"  # adamw | sgd
+    name: str = "adamw"  # adamw | sgd   (flat keyword: optimizer)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -47,30 +38,51 @@ class EngineConfig:
     momentum: float = 0.9  # sgd
     nesterov: bool = False  # sgd
     max_grad_norm: float | None = None  # global-norm clipping; None = off
-    lr_schedule: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate over committed steps (its horizon is EngineConfig.max_steps)."""
+
+    kind: str = "constant"  # constant | linear | cosine   (flat keyword: lr_schedule)
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
 
-    # numerics and layout
-    compute_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
-    align: int = 128  # shards are multiples of this many values (codec group size)
-    nan_policy: str = "skip"  # skip the step, or stop with an error
-    seed: int = 0
 
-    # low-bit communication (LoCo): see README "Codecs"
-    codec: str = "none"  # gradients: none | int8/4/2 | ef8/4/2/1 | loco8/4/2/1 | sign1
+@dataclass
+class AccumulationConfig:
+    """How many micro-batches a round takes."""
+
+    mode: str = "adaptive"  # adaptive | fixed   (flat keyword: accumulation)
+    micro_batches: int = 1  # per round ("fixed") or the minimum per round ("adaptive")
+    max_micro_batches: int | None = None  # adaptive: cap per round (keeps the batch small)
+    # adaptive, CPU: raise the minimum per round so that the comm side's CPU per round stays
+    # below this fraction of the round's compute (engine/pacing.py); 0 = off
+    max_round_overhead: float = 0.15
+
+
+@dataclass
+class CommunicationConfig:
+    """What goes on the wire and how (codecs: acco_loco/registry.py)."""
+
+    codec: str = "none"  # gradients: none | int8/4/2 | ef8/4/2/1 | loco8/4/2/1 | sign1 | fp16
     param_codec: str = "auto"  # params: auto (compute dtype) | float32 | bfloat16 | int8 | int4 (deltas)
     group_size: int = 128  # values per quantization group (a multiple of 8)
+    align: int = 128  # shards are multiples of this many values
     loco_beta: float = 0.8  # LoCo moving average of past errors
     reset_period: int = 1024  # committed steps between error resets
     error_storage: str = "int8"  # int8 (LoCo's 8-bit errors) | fp32
     scale_dtype: str = "float32"  # group scales on the wire: float32 | bfloat16
     stochastic_rounding: bool = False
+    comm_chunks: int = 1  # split each collective into this many async pieces (gloo speed)
 
-    # runtime
+
+@dataclass
+class RuntimeConfig:
+    """Failure detection, checkpoints, progress and debugging."""
+
     timeout_s: float = 300.0  # a peer silent this long is reported as lost
     heartbeat_s: float = 1.0
-    comm_chunks: int = 1  # split each collective into this many async pieces (gloo speed)
     checkpoint_dir: str | os.PathLike | None = None  # to_dict stores it as a str
     checkpoint_every: int = 0  # committed steps between checkpoints; 0 = never
     progress: bool = False  # a progress bar on rank 0
@@ -78,16 +90,78 @@ class EngineConfig:
     poison_freed_buffers: bool = False  # debug: NaN-fill gradient buffers once released
     keep_cpu_memory: bool = True  # CPU: glibc keeps freed memory (engine/cpu_memory.py)
 
-    def __post_init__(self) -> None:
+
+SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
+            "comm": CommunicationConfig, "runtime": RuntimeConfig}
+# the flat keywords of earlier releases (and of the README's example) -> (section, field)
+_RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
+            "accumulation": ("accumulate", "mode")}
+FLAT: dict[str, tuple[str, str]] = {
+    **{f.name: (sec, f.name) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+       if (sec, f.name) not in _RENAMED.values()},
+    **_RENAMED}
+
+
+@dataclass(init=False)
+class EngineConfig:
+    """Every knob of the engine, in typed sections with their defaults in the section classes.
+
+    ``EngineConfig(strategy="acco", lr=3e-4, codec="loco4")`` takes the flat keywords (each
+    routed to its section) as well as whole sections (``optim=OptimizerConfig(...)``), and
+    ``cfg.lr`` reads ``cfg.optim.lr``. Unknown keywords are refused."""
+
+    strategy: str = "acco"  # a key of engine/strategies STRATEGIES
+    max_steps: int = 1000  # committed optimizer steps (also the lr schedule's horizon)
+    compute_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
+    nan_policy: str = "skip"  # skip the step, or stop with an error
+    seed: int = 0
+    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
+    comm: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def __init__(self, **kwargs: Any) -> None:
+        for f in dataclasses.fields(self):
+            value = kwargs.pop(f.name, dataclasses.MISSING)
+            if f.name in SECTIONS:
+                value = _section(f.name, value)
+            elif value is dataclasses.MISSING:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+        unknown = sorted(set(kwargs) - set(FLAT))
+        if unknown:
+            raise ValueError(f"unknown EngineConfig fields {unknown}: the fields are "
+                             f"{sorted(self.field_names())} (engine/config.py)")
+        for name, value in kwargs.items():  # flat keywords, after the sections they refine
+            setattr(self, name, value)
         self.validate()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in FLAT:  # only reached when normal lookup fails: the flat names
+            section, field = FLAT[name]
+            return getattr(object.__getattribute__(self, section), field)
+        raise AttributeError(f"EngineConfig has no field {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FLAT:
+            section, field = FLAT[name]
+            setattr(getattr(self, section), field, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    @staticmethod
+    def field_names() -> list[str]:
+        """Every setting by its flat name (the top-level fields and each section's)."""
+        return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS] + list(FLAT)
 
     def validate(self) -> None:
         """Type and range of every field (the table _RULES), then the rules between fields.
 
         Runs at construction; call it again after assigning a field.
         """
-        for f in dataclasses.fields(self):
-            _RULES[f.name](f.name, getattr(self, f.name))
+        for name in self.field_names():
+            _RULES[name](name, getattr(self, name))
         if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
             raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
                              f"({self.micro_batches}): raise it or lower micro_batches")
@@ -106,24 +180,40 @@ class EngineConfig:
                              nesterov=self.nesterov)
 
     def to_dict(self) -> dict:
+        """Nested, JSON-ready (what a checkpoint's engine.json holds)."""
         d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
+        d["optim"]["betas"] = list(self.betas)
         if self.checkpoint_dir is not None:
-            d["checkpoint_dir"] = os.fspath(self.checkpoint_dir)  # JSON has no paths
+            d["runtime"]["checkpoint_dir"] = os.fspath(self.checkpoint_dir)  # JSON has no paths
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
+        """From ``to_dict``'s nested form, the flat form of earlier checkpoints, or a mix."""
         if not isinstance(d, dict):
             raise ValueError(f"EngineConfig.from_dict needs a dict of fields, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown EngineConfig fields {sorted(unknown)}")
         d = dict(d)
-        if isinstance(d.get("betas"), list):  # JSON has no tuples; anything else is validated as is
-            d["betas"] = tuple(d["betas"])
+        for key in ("betas",):  # JSON has no tuples; anything else is validated as is
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
+        if isinstance(d.get("optim"), dict) and isinstance(d["optim"].get("betas"), list):
+            d["optim"] = {**d["optim"], "betas": tuple(d["optim"]["betas"])}
         return cls(**d)
+
+
+def _section(name: str, value: Any):
+    """A section from a section object, a dict of its fields, or its defaults."""
+    cls = SECTIONS[name]
+    if value is dataclasses.MISSING:
+        return cls()
+    if isinstance(value, cls):
+        return dataclasses.replace(value)  # a copy: configs never share a section
+    if isinstance(value, dict):
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}: see engine/config.py")
+        return cls(**value)
+    raise ValueError(f"{name} must be {cls.__name__}(...) or a dict of its fields, got {value!r}")
 
 
 # ------------------------------------------------------------------------ the per-field rules
@@ -248,7 +338,7 @@ _RULES: dict[str, Rule] = {
     "keep_cpu_memory": _bool,
 }
 
-_unruled = {f.name for f in dataclasses.fields(EngineConfig)} ^ set(_RULES)
+_unruled = set(EngineConfig.field_names()) ^ set(_RULES)
 if _unruled:  # fails at import, so a new field cannot skip validation
     raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(_unruled)}: "
                        "give every field exactly one rule in engine/config.py")

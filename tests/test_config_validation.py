@@ -8,7 +8,6 @@ message that names the field, shows the value and says what is allowed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -217,7 +216,7 @@ def test_bad_value_is_refused_by_from_dict(kwargs, fragment):
 
 def test_every_field_has_a_bad_value():
     tested = {k for kwargs, _ in BAD_VALUES for k in kwargs}
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    fields = set(EngineConfig.field_names())  # every setting by its flat name
     assert fields - tested == set(), "add a bad value for these fields to BAD_VALUES"
     assert len({_id(kw) for kw, _ in BAD_VALUES}) == len(BAD_VALUES), "a bad value is listed twice"
 
@@ -302,3 +301,25 @@ def test_math_layer_refuses_non_finite_values_itself():
         validate_schedule("cosine", 0, NAN)
     with pytest.raises(ValueError, match=re.escape("warmup_steps must be an integer >= 0, got 2.5")):
         validate_schedule("cosine", 2.5, 0.0)
+
+
+def test_sections_flat_keywords_and_old_flat_dicts_agree():
+    from engine.config import CommunicationConfig, OptimizerConfig
+
+    nested = EngineConfig(strategy="zero1", optim=OptimizerConfig(name="sgd", lr=0.1),
+                          comm={"codec": "loco4", "param_codec": "int8"})
+    flat = EngineConfig(strategy="zero1", optimizer="sgd", lr=0.1, codec="loco4", param_codec="int8")
+    assert nested == flat and nested.optim.lr == nested.lr == 0.1 and nested.comm.codec == "loco4"
+    old_checkpoint = {**{k: getattr(flat, k) for k in EngineConfig.field_names()}, "betas": [0.9, 0.999]}
+    assert EngineConfig.from_dict(old_checkpoint) == flat  # engine.json of an earlier release
+    # a flat keyword refines the section it belongs to; sections are never shared
+    section = CommunicationConfig(codec="int4")
+    a = EngineConfig(comm=section, group_size=64)
+    assert (a.codec, a.group_size, section.group_size) == ("int4", 64, 128)
+    a.optim.lr = float("nan")
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        a.validate()
+    with pytest.raises(ValueError, match=r"unknown OptimizerConfig fields \['learning_rate'\]"):
+        EngineConfig(optim={"learning_rate": 1e-3})
+    with pytest.raises(ValueError, match=r"optim must be OptimizerConfig\(...\) or a dict"):
+        EngineConfig(optim=3)
