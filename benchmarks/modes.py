@@ -1,7 +1,7 @@
 """The one table of training modes: a name -> how to train it.
 
 Used by the benchmark (``recipes/benchmark.py``, ``benchmarks/worker.py``), by
-``benchmarks/loco_quality.py`` and by ``tests/test_loco_engine.py``; each picks the modes it runs
+``benchmarks/loco_quality.py`` and by ``tests/engine/test_loco_engine.py``; each picks the modes it runs
 from here by name. A mode is either
 
 * an engine mode: flat :class:`engine.EngineConfig` keyword arguments (``strategy``, ``codec``,

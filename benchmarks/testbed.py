@@ -259,7 +259,7 @@ def _missing_tool_message(tool: str) -> str:
 
 def _root_message() -> str:
     return ("the testbed needs root (it creates network namespaces, veth pairs and tc qdiscs); "
-            "run as root, e.g. `sudo -E env PATH=$PATH python -m pytest tests/test_testbed.py`")
+            "run as root, e.g. `sudo -E env PATH=$PATH python -m pytest tests/benchmarks/test_testbed.py`")
 
 
 def _check_privileges(tools: Iterable[str] = ("ip", "tc")) -> None:

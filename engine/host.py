@@ -1,7 +1,7 @@
 """The only places a round reads device values on the host. On a GPU each read waits for the
 device (a host sync), so a round keeps them to what its control flow truly needs: the small
 all-reduce's counts and flags, and whether the gathered parameters are finite. Everything else
-(finiteness flags, weights, norms) stays on the device. tests/test_host_syncs.py counts them."""
+(finiteness flags, weights, norms) stays on the device. tests/engine/test_host_syncs.py counts them."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import pytest
 
 from engine import EngineConfig
 from engine.strategies import STRATEGIES
-from tests.test_recipe_metrics import RECIPE, REPO, run_recipe
+from tests.recipes.test_recipe_metrics import RECIPE, REPO, run_recipe
 
 CPU_2PROC = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 CODECS = ("none", "int8", "int4", "int2", "ef8", "ef4", "ef2", "ef1", "loco8", "loco4", "loco2", "loco1", "sign1",

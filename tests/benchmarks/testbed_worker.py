@@ -1,4 +1,4 @@
-"""Worker for tests/test_testbed.py: moves a fixed payload over gloo and reports timing.
+"""Worker for tests/benchmarks/test_testbed.py: moves a fixed payload over gloo and reports timing.
 
 Started by Testbed.popen inside a worker namespace; reads TESTBED_RANK/TESTBED_WORLD_SIZE and
 MASTER_ADDR from the environment the testbed sets. Prints one JSON line on stdout.

@@ -17,7 +17,7 @@ import pytest
 from benchmarks import testbed as tbm
 from benchmarks.testbed import LinkSpec, Testbed, TestbedError, cleanup_stale, requires_root_reason
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("testbed_worker.py")
 _reason = requires_root_reason()
 skip_unless_root = pytest.mark.skipif(_reason is not None, reason=f"testbed unavailable: {_reason}")

@@ -19,7 +19,7 @@ import pytest
 from acco_loco.schedule import lr_at
 from tests.texts import text_folder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "finetune.py"
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.texts import text_folder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "finetune.py"
 CPU_2PROC = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 

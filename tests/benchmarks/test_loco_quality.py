@@ -8,14 +8,10 @@ full 300-step comparison of the benchmark's default model, asserting the 3% crit
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.loco_quality import QualityConfig, compare, markdown_table  # noqa: E402
+from benchmarks.loco_quality import QualityConfig, compare, markdown_table
 
 # CI: a small model, a short run (each mode is one spawn of 2 processes)
 CI = QualityConfig(steps=40, n_layer=1, n_embd=64, n_head=2, seq_len=32, micro_batch_size=4,

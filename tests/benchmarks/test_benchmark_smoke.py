@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.testbed import requires_root_reason
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "recipes", "benchmark.py")
 
 _reason = requires_root_reason()
