@@ -582,13 +582,18 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+_PPL_TICKS = (20, 25, 30, 35, 40, 45, 50, 60, 70, 80, 100, 120, 150, 200, 300, 500, 1000)
+
+
 def plot(rows: list[Row], png: Path) -> None:
+    """Perplexity against rank: EoRA solid, SVD dashed, one colour per bit width; fp32 and RTN
+    as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     fp32 = next(r.perplexity for r in rows if r.method == "fp32")
     ax.axhline(fp32, color="black", lw=1, label=f"fp32 ({fp32:.2f})")
     for i, bits in enumerate(sorted({r.bits for r in rows if r.bits is not None}, reverse=True)):
@@ -599,16 +604,19 @@ def plot(rows: list[Row], png: Path) -> None:
             pts = sorted((r.rank, r.perplexity) for r in rows if r.bits == bits and r.method == method)
             if pts:
                 ax.plot(*zip(*pts), style, color=color,
-                        label=f"{bits}-bit + {'EoRA' if method == 'eora' else 'SVD'}")
+                        label=f"{bits}-bit + {'EoRA' if method == 'eora' else 'SVD'} residual")
     ranks = sorted({r.rank for r in rows if r.rank})
-    if ranks:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ranks, [str(r) for r in ranks])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(r) for r in ranks])
     ax.set_yscale("log")
-    ax.set_xlabel("rank of the residual")
+    low, high = ax.get_ylim()
+    ticks = [t for t in _PPL_TICKS if low <= t <= high]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("rank of the residual (LoRA r)")
     ax.set_ylabel("held-out perplexity (log scale)")
-    ax.set_title("Low-bit export: RTN + low-rank residual")
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("Low-bit export with a low-rank residual: held-out perplexity")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
