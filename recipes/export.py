@@ -694,6 +694,14 @@ def heldout_batches(held_tokens: torch.Tensor, cfg: ExportConfig) -> list[dict[s
     return out
 
 
+def _peak_rss_mb() -> float | None:
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+
+
 def build_report(cfg, model, rows, timings, t0, files, eig_stats, windows, groups, eval_info,
                  load_start: float) -> dict:
     params = sum(t.numel() for t in unique_state(model)[0].values())
@@ -714,7 +722,9 @@ def build_report(cfg, model, rows, timings, t0, files, eig_stats, windows, group
         "timings_s": {k: round(v, 3) for k, v in timings.seconds.items()},
         "export_seconds": round(export_seconds(timings, cfg.bits[0]), 3),
         "total_seconds": round(time.perf_counter() - t0, 3),
-        "cpu_seconds": round(time.process_time(), 3),  # all threads; steadier than wall time on a busy machine
+        # CPU time of all threads: steadier than wall time on a busy machine
+        "cpu_seconds": round(time.process_time(), 3),
+        "peak_rss_mb": _peak_rss_mb(),
         "threads": torch.get_num_threads(),
         "load_average_1min": {"start": load_start, "end": round(os.getloadavg()[0], 2)},
         "files": files,

@@ -221,3 +221,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "bits must be an integer in 2..8" in capsys.readouterr().err
     assert E.main(["--model", E.TINY_MODEL]) == 2
     assert "nothing to write" in capsys.readouterr().err
+
+
+def test_cli_rtn_only_export_has_no_adapter(tmp_path):
+    data = text_folder(tmp_path / "text")
+    out = tmp_path / "out"
+    argv = ["--model", E.TINY_MODEL, "--dataset", str(data), "--bits", "4", "--ranks", "0",
+            "--calib-samples", "8", "--calib-seq-len", "32", "--eval-samples", "0",
+            "--output-dir", str(out), "--no-progress"]
+    assert E.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [r["method"] for r in report["rows"]] == ["fp32", "rtn"] and report["eval"] is None
+    assert (out / "quantized" / E.PACKED_FILE).is_file() and (out / "dequantized" / "config.json").is_file()
+    assert not (out / "adapter").exists()
