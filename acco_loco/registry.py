@@ -28,10 +28,6 @@ class GradCodecSpec:
     def make_wire(self, group_size: int, scale_dtype: str) -> Codec:
         return WIRE_CODECS[self.wire](group_size, scale_dtype)
 
-    @property
-    def bits(self) -> int:
-        return self.make_wire(128, "float32").bits
-
 
 def _grad_codecs() -> dict[str, GradCodecSpec | None]:
     table: dict[str, GradCodecSpec | None] = {"none": None}

@@ -63,7 +63,7 @@ def save(engine, directory: str | os.PathLike) -> str:
 
     if comm.rank == 0:
         _save_model(engine.model, tmp / "model.safetensors")
-    tensors, meta = _rank_state(engine)
+    tensors, meta = engine.state_dict()
     _write(tensors, tmp / rank_file(comm.rank, comm.world_size), {"engine": json.dumps(meta)})
     _barrier(engine, what)
 
@@ -297,10 +297,6 @@ def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:
     if real_missing or unexpected:
         raise ValueError(f"{file} does not match this model (missing {real_missing[:5]}, unexpected "
                          f"{unexpected[:5]}): load it into the model it was saved from")
-
-
-def _rank_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
-    return engine.state_dict()
 
 
 def _restore_rank_state(engine, file: Path, required: bool) -> None:

@@ -193,9 +193,8 @@ class EngineConfig:
         if not isinstance(d, dict):
             raise ValueError(f"EngineConfig.from_dict needs a dict of fields, got {type(d).__name__}")
         d = dict(d)
-        for key in ("betas",):  # JSON has no tuples; anything else is validated as is
-            if isinstance(d.get(key), list):
-                d[key] = tuple(d[key])
+        if isinstance(d.get("betas"), list):  # JSON has no tuples; anything else is validated as is
+            d["betas"] = tuple(d["betas"])
         if isinstance(d.get("optim"), dict) and isinstance(d["optim"].get("betas"), list):
             d["optim"] = {**d["optim"], "betas": tuple(d["optim"]["betas"])}
         return cls(**d)

@@ -228,25 +228,26 @@ class Engine:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, where: str = "the state") -> None:
         """Restore what ``state_dict`` returned (same model, config and world size)."""
         flat, dev = self.flat, self.device
+        tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
         if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
             raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
                              f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
                              f"{flat.numel}: same model, same trainable parameters and align are needed")
         state = self.ctx.shard_state
-        state.master.copy_(tensors["opt.master"].to(dev))
-        state.exp_avg.copy_(tensors["opt.exp_avg"].to(dev))
+        state.master.copy_(tensors["opt.master"])
+        state.exp_avg.copy_(tensors["opt.exp_avg"])
         if state.exp_avg_sq is not None:
-            state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"].to(dev))
+            state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"])
         state.step = meta["opt_step"]
         with torch.no_grad():
-            flat.grads[flat.active].copy_(tensors["pending_grad"].to(dev))
+            flat.grads[flat.active].copy_(tensors["pending_grad"])
             self.ctx.gather_buf.copy_(flat.data)
-        self.ctx.grads.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, where)
-        torch.set_rng_state(tensors["rng_cpu"])
+        self.ctx.grads.load_state_dict(tensors, where)
+        torch.set_rng_state(tensors["rng_cpu"].cpu())
         if "rng_cuda" in tensors and dev.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng_cuda"], dev)
+            torch.cuda.set_rng_state(tensors["rng_cuda"].cpu(), dev)
         self.state.load_state_dict(meta, dev)
-        self.strategy.load_state_dict(self.ctx, {k: v.to(dev) for k, v in tensors.items()}, meta)
+        self.strategy.load_state_dict(self.ctx, tensors, meta)
 
     def close(self) -> None:
         if self._closed:
