@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -122,6 +123,91 @@ def _gguf_cache_folder(cache_dir: str | os.PathLike, gguf: Path) -> Path:
     return Path(cache_dir).expanduser() / f"{gguf.stem}-{stat.st_size}"
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a model comes from: a hub id, or a folder (with ``gguf_file`` inside it for GGUF)."""
+
+    folder: Path | None = None
+    gguf_file: str | None = None
+    hub_id: str | None = None
+
+
+def _resolve_source(spec: str | os.PathLike | None) -> _Source:
+    """The default, a local folder or file, or a hub id; a clear error for anything else."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in _DEFAULT_NAMES):
+        folder, gguf_file = default_model_path()
+        return _Source(folder, gguf_file)
+    spec_str = os.fspath(spec)
+    path = Path(spec_str).expanduser()
+    if path.is_dir():
+        return _folder_source(path)
+    if path.is_file():
+        return _file_source(path)
+    if isinstance(spec, str) and not _looks_local(spec_str):
+        return _Source(hub_id=spec_str)
+    raise FileNotFoundError(
+        f"model path {spec_str!r} does not exist (expected a folder with config.json, "
+        "a .gguf file, or a hub id like 'HuggingFaceTB/SmolLM2-135M')"
+    )
+
+
+def _folder_source(path: Path) -> _Source:
+    """A folder saved with ``save_pretrained``, or one holding exactly one ``.gguf`` file."""
+    ggufs = sorted(path.glob("*.gguf"))
+    if (path / "config.json").is_file():
+        return _Source(path)
+    if len(ggufs) == 1:
+        return _Source(path, ggufs[0].name)
+    what = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
+    raise ValueError(
+        f"model folder {path} has no config.json and {what}; pass a folder saved "
+        "with save_pretrained or the path of one .gguf file"
+    )
+
+
+def _file_source(path: Path) -> _Source:
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"model file {path} is not a .gguf file; pass a .gguf file or a folder "
+            "with config.json"
+        )
+    return _Source(path.parent, path.name)
+
+
+def _from_pretrained(where: str | Path, kw: dict, **gguf):
+    """``(tokenizer, model)`` via the Auto classes; ``gguf`` is ``gguf_file=...`` or nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(where, **gguf)
+    model = AutoModelForCausalLM.from_pretrained(where, **gguf, **kw)
+    return tokenizer, model
+
+
+def _load_hub(hub_id: str, kw: dict):
+    try:
+        return _from_pretrained(hub_id, kw)
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"could not load hub model {hub_id!r} ({type(exc).__name__}: "
+            f"{str(exc).strip()})\nWithout a network, pass a local folder with config.json "
+            "or a .gguf file, or omit the model for the SmolLM2 default (HF_HUB_OFFLINE=1 "
+            "skips the download retries)"
+        ) from exc
+
+
+def _load_gguf(folder: Path, gguf_file: str, kw: dict, cache_dir: str | os.PathLike | None):
+    """Dequantize the GGUF file, or read its plain copy under ``cache_dir`` (written once)."""
+    cached = _gguf_cache_folder(cache_dir, folder / gguf_file) if cache_dir else None
+    if cached is not None and (cached / "config.json").is_file():
+        return _from_pretrained(cached, kw)
+    tokenizer, model = _from_pretrained(folder, kw, gguf_file=gguf_file)
+    strip_gguf_quantizer(model)
+    if cached is not None:
+        with contextlib.suppress(FileExistsError):  # another process won the race
+            save_pretrained_plain(model, tokenizer, cached, overwrite=False)
+    return tokenizer, model
+
+
 def load_causal_lm(
     spec: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
@@ -146,73 +232,16 @@ def load_causal_lm(
     ``cache_dir``: for GGUF sources, convert to plain safetensors under this folder on the
     first load and read those later (far faster; the result is identical, see tests).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = {_dtype_kwarg(): dtype}
-
-    folder: Path | None = None
-    gguf_file: str | None = None
-    hub_id: str | None = None
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() in _DEFAULT_NAMES):
-        folder, gguf_file = default_model_path()
+    kw = {_dtype_kwarg(): dtype}  # imports transformers before any path is looked at
+    source = _resolve_source(spec)
+    if source.hub_id is not None:
+        tokenizer, model = _load_hub(source.hub_id, kw)
+    elif source.gguf_file is not None:
+        assert source.folder is not None
+        tokenizer, model = _load_gguf(source.folder, source.gguf_file, kw, cache_dir)
     else:
-        spec_str = os.fspath(spec)
-        path = Path(spec_str).expanduser()
-        if path.is_dir():
-            ggufs = sorted(path.glob("*.gguf"))
-            if (path / "config.json").is_file():
-                folder = path
-            elif len(ggufs) == 1:
-                folder, gguf_file = path, ggufs[0].name
-            else:
-                what = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
-                raise ValueError(
-                    f"model folder {path} has no config.json and {what}; pass a folder saved "
-                    "with save_pretrained or the path of one .gguf file"
-                )
-        elif path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ValueError(
-                    f"model file {path} is not a .gguf file; pass a .gguf file or a folder "
-                    "with config.json"
-                )
-            folder, gguf_file = path.parent, path.name
-        elif isinstance(spec, str) and not _looks_local(spec_str):
-            hub_id = spec_str
-        else:
-            raise FileNotFoundError(
-                f"model path {spec_str!r} does not exist (expected a folder with config.json, "
-                "a .gguf file, or a hub id like 'HuggingFaceTB/SmolLM2-135M')"
-            )
-
-    if hub_id is not None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(hub_id)
-            model = AutoModelForCausalLM.from_pretrained(hub_id, **kw)
-        except (OSError, ValueError) as exc:
-            raise RuntimeError(
-                f"could not load hub model {hub_id!r} ({type(exc).__name__}: "
-                f"{str(exc).strip()})\nWithout a network, pass a local folder with config.json "
-                "or a .gguf file, or omit the model for the SmolLM2 default (HF_HUB_OFFLINE=1 "
-                "skips the download retries)"
-            ) from exc
-    elif gguf_file is not None:
-        assert folder is not None
-        cached = _gguf_cache_folder(cache_dir, folder / gguf_file) if cache_dir else None
-        if cached is not None and (cached / "config.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(cached)
-            model = AutoModelForCausalLM.from_pretrained(cached, **kw)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **kw)
-            strip_gguf_quantizer(model)
-            if cached is not None:
-                with contextlib.suppress(FileExistsError):  # another process won the race
-                    save_pretrained_plain(model, tokenizer, cached, overwrite=False)
-    else:
-        assert folder is not None
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, **kw)
+        assert source.folder is not None
+        tokenizer, model = _from_pretrained(source.folder, kw)
 
     strip_gguf_quantizer(model)
     if model.dtype != dtype:
