@@ -1,36 +1,24 @@
-"""Group-wise low-bit quantizers for communication (pure tensor math).
+"""Group-wise low-bit quantizers for communication (pure tensor math): what every family shares.
 
 A codec turns a flat 1-D fp32 tensor ``x`` whose length is a multiple of ``group_size`` into
 
 * ``payload``: a 1-D ``uint8`` tensor of ``numel * bits / 8`` bytes (the packed codes), and
 * ``scales``: a 1-D tensor of ``numel / group_size`` per-group scales (fp32 or bf16),
 
-and back.  Groups are contiguous blocks of ``group_size`` values of the flat buffer.
-
-Symmetric integer codecs (``int8``, ``int4``, ``int2``; B bits), per group::
-
-    qmax  = 2**(B-1) - 1
-    scale = max(absmax(group) / qmax, 2**-126)    (0 for an all-zero group)
-    q     = clamp(round(h / scale), -qmax-1, qmax)  (round half to even; or stochastic)
-    deQ   = q * scale                               (exactly zero where scale == 0)
-
-so ``|h - deQ(Q(h))| <= scale / 2`` per element with deterministic rounding and
-``< scale`` with stochastic rounding, for the scale that is actually sent.  With bf16 scales
-the fp32 scale is rounded *up* to the next bf16 value before quantizing, so the bound holds
-for the bf16 scale on the wire and ``|h / scale| <= qmax`` still (no clamping of the absmax
-element).
-
-1-bit codec (``sign1``), per group, as in 1-bit Adam (Tang et al., ICML 2021)::
-
-    scale = rms(group) = sqrt(mean(h**2))
-    deQ   = sign(h) * scale        with sign(0) = sign(-0.0) = +1
+and back.  Groups are contiguous blocks of ``group_size`` values of the flat buffer.  One file
+per family holds its math: ``int_codec.py`` (symmetric integers ``int8``, ``int4``, ``int2``)
+and ``sign_codec.py`` (1-bit ``sign1``, sign x group RMS).  This file holds the :class:`Codec`
+base they extend (configuration, argument checks, sizes, scaling codes back to fp32) and
+:func:`make_codec`, which picks the family by name.
 
 Wire format (little-endian within a byte, element order preserved):
 
-* every value becomes an unsigned B-bit code ``u``: ``u = q + 2**(B-1)`` (offset binary) for
-  the integer codecs, ``u = 1 if h >= 0 else 0`` for ``sign1``;
+* every value becomes an unsigned B-bit code ``u`` (the family defines which);
 * ``8 // B`` consecutive codes share one byte, code ``k`` of the run in bits
   ``[k*B, (k+1)*B)``.
+
+Decoding reads each code as the small signed integer it stands for and multiplies it by its
+group's scale.
 
 Because ``group_size`` is a multiple of 8, the element range ``[a, b)`` with ``a`` and ``b``
 multiples of ``group_size`` is exactly the payload byte range ``[a*B/8, b*B/8)`` and the
@@ -52,8 +40,8 @@ CUDA's caching allocator has no such cost.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -79,7 +67,6 @@ _SCALE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
 }
-
 
 
 def _nonfinite_error(what: str) -> ValueError:
@@ -110,26 +97,19 @@ def _branch_free(x: Tensor) -> bool:
     return torch.compiler.is_compiling() or x.device.type != "cpu"
 
 
-def _group_rms(xg: Tensor) -> Tensor:
-    """sqrt(mean(x**2)) per row in fp32, safe against overflow/underflow of the squares."""
-    g = xg.shape[1]
-    if _branch_free(xg):
-        # no host sync, no graph break: always scale by absmax; fuses into one read
-        amax = xg.abs().amax(dim=1, keepdim=True)
-        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-        return amax.squeeze(1) * torch.linalg.vector_norm(xg / safe, dim=1) * (1.0 / math.sqrt(g))
-    rms = torch.linalg.vector_norm(xg, dim=1) * (1.0 / math.sqrt(g))
-    # Squares overflow above ~1.8e19 and lose precision below ~1e-19: redo those rows
-    # (rare: diverging values, exact-zero groups, denormal-scale values) scaled by absmax.
-    redo = ~(rms >= 1e-18) | ~(rms <= 1e18)  # also catches NaN
-    if bool(redo.any()):
-        idx = redo.nonzero().squeeze(1)
-        sub = xg.index_select(0, idx)
-        amax = sub.abs().amax(dim=1)
-        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-        sub_rms = amax * torch.linalg.vector_norm(sub / safe[:, None], dim=1) * (1.0 / math.sqrt(g))
-        rms = rms.index_copy(0, idx, sub_rms)
-    return rms
+def _scale_codes(q: Tensor, scales: Tensor, out: Tensor | None, accumulate: bool) -> Tensor:
+    """``q * scale`` in fp32 for int8 codes ``q`` (groups x group_size), returned flat, written
+    into ``out`` or (``accumulate``) added into it."""
+    s = scales.to(torch.float32)[:, None]
+    # Exact small integers q as int8, then one type-promoting multiply: q * scale in fp32.
+    if out is None:
+        return torch.mul(q, s).view(q.numel())
+    og = out.view(q.shape)
+    if accumulate:
+        og.addcmul_(q, s)  # one pass, no temporary; fused multiply-add where available
+    else:
+        torch.mul(q, s, out=og)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -142,13 +122,18 @@ class Codec:
     """One quantizer configuration.  Build with :func:`make_codec`.
 
     ``encode(x) -> (payload, scales)`` and ``decode(payload, scales) -> fp32``; see the module
-    docstring for the exact math and wire format.
+    docstring for the wire format and the family files for the math.  A family subclass names
+    the codecs it implements in ``names`` and fills in :meth:`_encode_groups` (quantize the
+    grouped values) and :meth:`_codes` (the payload's codes as signed integers); the checks,
+    sizes and the final multiply by the scales are shared.
     """
 
     name: str  # "int8" | "int4" | "int2" | "sign1"
     bits: int
     group_size: int = 128
     scale_dtype: torch.dtype = torch.float32
+
+    names: ClassVar[tuple[str, ...]] = tuple(CODEC_BITS)
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_BITS:
@@ -159,13 +144,10 @@ class Codec:
             raise ValueError(f"group_size must be a positive multiple of 8 (got {self.group_size!r})")
         if self.scale_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16 (got {self.scale_dtype})")
+        if self.name not in self.names:
+            raise ValueError(f"{type(self).__name__} implements {', '.join(self.names)}, not {self.name!r}")
 
     # -- sizes -----------------------------------------------------------------------------
-
-    @property
-    def qmax(self) -> int:
-        """Largest positive code value (``2**(bits-1) - 1``; 1 for sign1, unused)."""
-        return max(1, (1 << (self.bits - 1)) - 1)
 
     def _groups(self, numel: int) -> int:
         if numel < 0 or numel % self.group_size:
@@ -198,7 +180,7 @@ class Codec:
         ``x``'s device), unbiased for the integer codecs.  ``sign1`` ignores ``generator``.
         Raises ``ValueError`` on NaN/Inf input unless ``check_finite=False``.
         """
-        return self._encode(x, generator, check_finite, keep_decoded=False)
+        return self._encode_groups(self._grouped(x, generator), generator, check_finite, keep_decoded=False)
 
     def encode_with_decoded(
         self, x: Tensor, generator: torch.Generator | None = None, *, check_finite: bool = True
@@ -206,9 +188,10 @@ class Codec:
         """``encode`` plus ``decode(payload, scales)`` (fp32, bit-identical to it), for error
         feedback: the integer codecs rescale the rounded values they already hold instead of
         unpacking the payload again (one pass instead of three)."""
-        return self._encode(x, generator, check_finite, keep_decoded=True)
+        return self._encode_groups(self._grouped(x, generator), generator, check_finite, keep_decoded=True)
 
-    def _encode(self, x: Tensor, generator: torch.Generator | None, check_finite: bool, keep_decoded: bool):
+    def _grouped(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
+        """``x`` checked and viewed as fp32 (groups x group_size)."""
         if x.dim() != 1:
             raise ValueError(f"{self.name}.encode expects a flat 1-D tensor (got shape {tuple(x.shape)})")
         if not x.is_floating_point():
@@ -216,51 +199,13 @@ class Codec:
         groups = self._groups(x.numel())
         if generator is not None and generator.device.type != x.device.type:
             raise ValueError(f"generator is on {generator.device} but the tensor is on {x.device}")
-        xg = x.to(torch.float32).reshape(groups, self.group_size)  # copies only if strided
-        if self.bits == 1:
-            payload, scales = self._encode_sign(xg, check_finite)
-            return (payload, scales, self.decode(payload, scales)) if keep_decoded else (payload, scales)
-        return self._encode_int(xg, generator, check_finite, keep_decoded)
+        return x.to(torch.float32).reshape(groups, self.group_size)  # copies only if strided
 
-    def _encode_int(self, xg: Tensor, generator: torch.Generator | None, check_finite: bool,
-                    keep_decoded: bool = False):
-        qmax = self.qmax
-        amax = torch.maximum(xg.amax(dim=1), xg.amin(dim=1).neg())  # NaN propagates
-        if check_finite and xg.numel() and not bool(torch.isfinite(amax).all()):
-            raise _nonfinite_error(f"{self.name}.encode input")
-        # absmax / qmax, kept >= the smallest normal fp32 for non-zero groups (a subnormal
-        # quotient would lose precision and let h / scale exceed qmax); 0 for zero groups
-        scale = torch.where(amax > 0, (amax / qmax).clamp_min_(_FP32_TINY), 0.0)
-        if self.scale_dtype == torch.bfloat16:
-            scales = _ceil_to_bf16(scale)
-            scale = scales.to(torch.float32)
-        else:
-            scales = scale
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero groups: h == 0
-        y = xg / safe[:, None]
-        if generator is None:
-            # |h / scale| <= qmax * (1 + 2**-23) because scale >= fl(absmax / qmax) is normal,
-            # so round() already lands in [-qmax, qmax]: no clamp pass needed
-            y.round_()
-        else:
-            noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-            y.add_(noise).floor_().clamp_(-qmax - 1, qmax)
-        # q as int8 (two's complement); flipping bit B-1 of the B-bit field gives the
-        # offset-binary code q + 2**(B-1) (cheaper on bytes than an fp32 add).
-        codes = y.view(-1).to(torch.int8).view(torch.uint8)
-        codes ^= 1 << (self.bits - 1)
-        if keep_decoded:
-            # q * scale with q exact in fp32 and the scale decode() reads: the same product
-            decoded = y.mul_(scale[:, None]).view(-1)
-            return pack_bits(codes, self.bits), scales, decoded
-        return pack_bits(codes, self.bits), scales
-
-    def _encode_sign(self, xg: Tensor, check_finite: bool) -> tuple[Tensor, Tensor]:
-        rms = _group_rms(xg)
-        if check_finite and xg.numel() and not bool(torch.isfinite(rms).all()):
-            raise _nonfinite_error(f"{self.name}.encode input")
-        codes = torch.ge(xg, 0).view(-1).view(torch.uint8)  # sign(0) = sign(-0.0) = +1
-        return pack_bits(codes, 1), rms.to(self.scale_dtype)
+    def _encode_groups(self, xg: Tensor, generator: torch.Generator | None, check_finite: bool,
+                       keep_decoded: bool) -> tuple[Tensor, ...]:
+        """The family's quantizer on ``xg`` (groups x group_size, fp32): ``(payload, scales)``,
+        plus the flat decoded values when ``keep_decoded``."""
+        raise NotImplementedError(f"{type(self).__name__} has no family: build codecs with make_codec")
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -281,6 +226,15 @@ class Codec:
         differ from ``out + decode(...)`` in the last bit (it is the more accurate of the
         two), but it is deterministic for a given device type.
         """
+        self._check_decode(payload, scales, out, accumulate)
+        q = self._codes(payload).view(scales.numel(), self.group_size)
+        return _scale_codes(q, scales, out, accumulate)
+
+    def _codes(self, payload: Tensor) -> Tensor:
+        """The payload's codes as the int8 values they stand for, one per value (flat)."""
+        raise NotImplementedError(f"{type(self).__name__} has no family: build codecs with make_codec")
+
+    def _check_decode(self, payload: Tensor, scales: Tensor, out: Tensor | None, accumulate: bool) -> None:
         groups = scales.numel()
         numel = groups * self.group_size
         if payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -306,25 +260,14 @@ class Codec:
         elif accumulate:
             raise ValueError(f"{self.name}.decode: accumulate=True needs an out tensor")
 
-        s = scales.to(torch.float32)[:, None]
-        # Exact small integers q as int8, then one type-promoting multiply: q * scale in fp32.
-        if self.bits == 8:
-            q = torch.bitwise_xor(payload, 0x80).view(torch.int8)  # offset binary -> two's complement
-        else:
-            q = unpack_bits(payload, self.bits).view(torch.int8)  # a fresh tensor: edit in place
-            if self.bits == 1:
-                q.mul_(2).sub_(1)  # {0, 1} -> {-1, +1}
-            else:
-                q.sub_(1 << (self.bits - 1))
-        q = q.view(groups, self.group_size)
-        if out is None:
-            return torch.mul(q, s).view(numel)
-        og = out.view(groups, self.group_size)
-        if accumulate:
-            og.addcmul_(q, s)  # one pass, no temporary; fused multiply-add where available
-        else:
-            torch.mul(q, s, out=og)
-        return out
+
+def _family(name: str) -> type[Codec]:
+    """The class that implements codec ``name``."""
+    # imported here, not at the top: the family files import this one for Codec and the helpers
+    from .int_codec import IntCodec
+    from .sign_codec import SignCodec
+
+    return next(family for family in (IntCodec, SignCodec) if name in family.names)
 
 
 def make_codec(name: str, group_size: int = 128, scale_dtype: torch.dtype | str = torch.float32) -> Codec:
@@ -339,4 +282,4 @@ def make_codec(name: str, group_size: int = 128, scale_dtype: torch.dtype | str 
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid: {', '.join(_SCALE_DTYPES)}")
         scale_dtype = _SCALE_DTYPES[scale_dtype]
-    return Codec(name=name, bits=CODEC_BITS[name], group_size=group_size, scale_dtype=scale_dtype)
+    return _family(name)(name=name, bits=CODEC_BITS[name], group_size=group_size, scale_dtype=scale_dtype)
