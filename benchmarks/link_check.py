@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="1,8,16")
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--prefix", default="alc")
-    ap.add_argument("--no-pin", action="store_true", help="do not taskset rank r to CPU r % ncpu")
+    ap.add_argument("--no-pin", action="store_true", help="do not taskset rank r to CPU r %% ncpu")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
