@@ -86,7 +86,7 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rate", default="100mbit", help="tc rate per worker link and direction")
@@ -100,24 +100,16 @@ def main() -> None:
     ap.add_argument("--prefix", default="alc")
     ap.add_argument("--no-pin", action="store_true", help="do not taskset rank r to CPU r %% ncpu")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        return worker(a)
+    return ap
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.testbed import LinkSpec, Testbed, requires_root_reason
 
-    reason = requires_root_reason(delay=a.delay_ms > 0)
-    if reason:
-        sys.exit(f"link_check: {reason}")
-    link = LinkSpec(a.rate, delay_ms=a.delay_ms, burst=a.burst, queue_ms=a.queue_ms)
-    per_iter = a.mbytes * 1e6 * (a.workers - 1) / a.workers  # bytes per rank per all_to_all
-    if a.iters <= 0:
-        a.iters = max(3, math.ceil(3.0 * link.rate_bps / 8 / per_iter))
+def _measure(a: argparse.Namespace, link) -> tuple[list[dict], list[int], list[dict]]:
+    """Run the workers in a testbed: their JSON results, veth tx bytes and tbf stats per rank."""
+    from benchmarks.testbed import Testbed
+
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--port", str(a.port),
             "--mbytes", str(a.mbytes), "--iters", str(a.iters), "--chunks", a.chunks]
     ncpu = os.cpu_count() or 1
-
     with Testbed(workers=a.workers, link=link, prefix=a.prefix) as tb:
         before = [tb.tx_bytes(r) for r in range(a.workers)]
         procs = [tb.popen(r, argv, cpu=None if a.no_pin else str(r % ncpu),
@@ -128,7 +120,10 @@ def main() -> None:
         total_tx = [tb.tx_bytes(r) - before[r] for r in range(a.workers)]
         qstats = [tb.qdisc_stats(r) for r in range(a.workers)]
     res = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return res, total_tx, qstats
 
+
+def _print_setup(a: argparse.Namespace, link, per_iter: float) -> None:
     rate_mbit = link.rate_bps / 1e6
     ceil = goodput_ceiling(link.mtu)
     print(f"\n{a.workers} workers, {a.rate} per link and direction "
@@ -138,6 +133,12 @@ def main() -> None:
           f"{per_iter / 1e6:.2f} MB sent per rank per all_to_all")
     print(f"physical limit {rate_mbit:g} Mbit/s; TCP goodput ceiling {rate_mbit * ceil:.1f} "
           f"Mbit/s (x{ceil:.3f}: headers of 1514-byte frames)")
+
+
+def _print_table(a: argparse.Namespace, link, per_iter: float, res: list[dict]) -> None:
+    """One row per chunking: the slowest rank's time against the shaped rate and the ceiling."""
+    rate_mbit = link.rate_bps / 1e6
+    ceil = goodput_ceiling(link.mtu)
     hdr = (f"{'chunks':>6} {'s/all_to_all':>12} {'limit s':>8} {'Mbit/s':>8} {'% rate':>7} "
            f"{'% ceiling':>9} {'tx/payload':>10}")
     print(hdr)
@@ -150,10 +151,34 @@ def main() -> None:
         print(f"{r0['chunks']:>6} {secs / a.iters:>12.3f} {per_iter * 8 / link.rate_bps:>8.3f} "
               f"{mbit:>8.1f} {100 * mbit / rate_mbit:>6.1f}% {100 * mbit / (rate_mbit * ceil):>8.1f}% "
               f"{txr:>10.4f}")
+
+
+def _print_totals(a: argparse.Namespace, res: list[dict], total_tx: list[int], qstats: list[dict]) -> None:
     payload_all = sum(r["payload"] for r in res[0]["results"])
     print(f"whole run, worker 0: tx_bytes read from its namespace {total_tx[0]} vs payload "
           f"{payload_all} (+warm-ups {payload_all // a.iters}), tbf drops "
           f"up {qstats[0]['up'].get('drops')} down {qstats[0]['down'].get('drops')}")
+
+
+def main() -> None:
+    a = _parser().parse_args()
+    if a.worker:
+        return worker(a)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.testbed import LinkSpec, requires_root_reason
+
+    reason = requires_root_reason(delay=a.delay_ms > 0)
+    if reason:
+        sys.exit(f"link_check: {reason}")
+    link = LinkSpec(a.rate, delay_ms=a.delay_ms, burst=a.burst, queue_ms=a.queue_ms)
+    per_iter = a.mbytes * 1e6 * (a.workers - 1) / a.workers  # bytes per rank per all_to_all
+    if a.iters <= 0:
+        a.iters = max(3, math.ceil(3.0 * link.rate_bps / 8 / per_iter))
+    res, total_tx, qstats = _measure(a, link)
+    _print_setup(a, link, per_iter)
+    _print_table(a, link, per_iter, res)
+    _print_totals(a, res, total_tx, qstats)
 
 
 if __name__ == "__main__":
