@@ -244,7 +244,7 @@ def engine_config(spec: dict):
     mode_fields = {"max_micro_batches": spec["max_micro_batches"], "max_round_overhead": spec["max_round_overhead"],
                    **MODES[spec["mode"]].engine_kwargs()}
     return EngineConfig(
-        **mode_fields, accumulation="adaptive", micro_batches=1, max_steps=10**9, optimizer="adamw",
+        **mode_fields, accumulation="grow", micro_batches=1, max_steps=10**9, optimizer="adamw",
         lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
         compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
         max_grad_norm=spec["max_grad_norm"] or None,

@@ -14,7 +14,8 @@ from acco_loco.schedule import SCHEDULES, validate_schedule
 
 from .strategies import STRATEGIES  # names only: a strategy's module loads when first used
 
-ACCUMULATION_MODES = ("adaptive", "fixed")
+ACCUMULATION_MODES = ("fixed", "grow")
+BALANCES = ("equal", "speed")
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -57,16 +58,25 @@ class ScheduleConfig:
 
 @dataclass
 class AccumulationConfig:
-    """How many micro-batches a round takes."""
+    """How many micro-batches a step and each of its rounds take."""
 
-    mode: str = setting("adaptive", "adaptive = keep accumulating micro-batches until the round in "
-                        "flight is done (at least micro_batches, at most max_micro_batches); fixed = "
-                        "exactly micro_batches per round")  # flat keyword: accumulation
-    micro_batches: int = setting(1, "micro-batches per round (fixed), or the minimum per round (adaptive)")
-    max_micro_batches: int | None = setting(None, "adaptive: the most micro-batches per round; none = no cap")
-    # adaptive, CPU: raise the minimum per round so that the comm side's CPU per round stays
+    mode: str = setting("fixed", "fixed = the batch you set, every step (global_micro_batches, or "
+                        "micro_batches per worker and round); grow = keep accumulating while the "
+                        "round in flight is still on the wire, so the batch grows with the link's "
+                        "delay (at least micro_batches, at most max_micro_batches per round)")  # flat keyword: accumulation
+    global_micro_batches: int | None = setting(
+        None, "fixed: micro-batches per optimizer step, all workers and rounds together (the global "
+        "batch is this times the micro-batch size; acco splits it over its estimate and commit "
+        "rounds); none = micro_batches per worker and round")
+    balance: str = setting("equal", "with global_micro_batches: how a round's micro-batches are shared "
+                           "out: equal, or speed = in proportion to each worker's measured speed "
+                           "(mixed GPUs; the step's batch stays the same)")
+    micro_batches: int = setting(1, "micro-batches per worker and round (fixed without "
+                                 "global_micro_batches), or the minimum per round (grow)")
+    max_micro_batches: int | None = setting(None, "grow: the most micro-batches per round; none = no cap")
+    # grow, CPU: raise the minimum per round so that the comm side's CPU per round stays
     # below this fraction of the round's compute (engine/pacing.py)
-    max_round_overhead: float = setting(0.15, "adaptive on CPU (acco, dpu): raise the minimum micro-batches "
+    max_round_overhead: float = setting(0.15, "grow on CPU (acco, dpu): raise the minimum micro-batches "
                                         "per round until the comm side's CPU per round is at most this "
                                         "fraction of the round's compute (0 = off: rounds end when the "
                                         "one in flight is done)")
@@ -181,6 +191,7 @@ class EngineConfig:
         if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
             raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
                              f"({self.micro_batches}): raise it or lower micro_batches")
+        self._check_accumulation()
         if self.heartbeat_s * 3 > self.timeout_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most a third of timeout_s "
                              f"({self.timeout_s}) so that a lost peer is detected in time")
@@ -189,6 +200,22 @@ class EngineConfig:
         # the math layer checks its own inputs too; both must accept what the table accepts
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()
+
+    def _check_accumulation(self) -> None:
+        """The batch settings that only make sense together (the world-size check is Engine's)."""
+        grow = self.accumulation == "grow"
+        if self.global_micro_batches is not None and grow:
+            raise ValueError("global_micro_batches fixes the batch but accumulation='grow' grows it: "
+                             "leave global_micro_batches=None, or use accumulation='fixed'")
+        if self.global_micro_batches is not None and self.micro_batches != 1:
+            raise ValueError(f"set one of micro_batches ({self.micro_batches}, per worker and round) and "
+                             f"global_micro_batches ({self.global_micro_batches}, per step for all workers): "
+                             "leave micro_batches at 1 when the global batch is set")
+        if self.balance == "speed" and self.global_micro_batches is None:
+            raise ValueError("balance='speed' shares out a global batch: set global_micro_batches too")
+        if not grow and self.max_micro_batches is not None:
+            raise ValueError("max_micro_batches caps accumulation='grow'; with 'fixed' every round takes "
+                             "exactly its share: leave max_micro_batches=None")
 
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,
@@ -209,11 +236,21 @@ class EngineConfig:
         if not isinstance(d, dict):
             raise ValueError(f"EngineConfig.from_dict needs a dict of fields, got {type(d).__name__}")
         d = dict(d)
+        _rename_old_values(d)
         if isinstance(d.get("betas"), list):  # JSON has no tuples; anything else is validated as is
             d["betas"] = tuple(d["betas"])
         if isinstance(d.get("optim"), dict) and isinstance(d["optim"].get("betas"), list):
             d["optim"] = {**d["optim"], "betas": tuple(d["optim"]["betas"])}
         return cls(**d)
+
+
+def _rename_old_values(d: dict) -> None:
+    """Values that earlier releases wrote into checkpoints under other names."""
+    if d.get("accumulation") == "adaptive":
+        d["accumulation"] = "grow"
+    acc = d.get("accumulate")
+    if isinstance(acc, dict) and acc.get("mode") == "adaptive":
+        d["accumulate"] = {**acc, "mode": "grow"}
 
 
 def _section(name: str, value: Any):
@@ -289,6 +326,20 @@ class _Choice:
             raise ValueError(f"unknown {name} {value!r}: choose one of {self.options}")
 
 
+class _Renamed(_Choice):
+    """A closed set where some names of earlier releases say what they are called now."""
+
+    def __init__(self, options: tuple[str, ...], renamed: dict[str, str]):
+        super().__init__(options)
+        object.__setattr__(self, "renamed", renamed)
+
+    def __call__(self, name: str, value: Any) -> None:
+        if value in self.renamed:
+            raise ValueError(f"{name} {value!r} is now called {self.renamed[value]!r}: use that "
+                             f"(choose one of {self.options})")
+        super().__call__(name, value)
+
+
 def _choice(options: tuple[str, ...] | list[str]) -> _Choice:
     return _Choice(tuple(options))
 
@@ -319,7 +370,9 @@ class _GradCodecChoice(_Choice):
 _RULES: dict[str, Rule] = {
     "strategy": _choice(tuple(STRATEGIES)),
     "micro_batches": _int(1),
-    "accumulation": _choice(ACCUMULATION_MODES),
+    "accumulation": _Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
+    "global_micro_batches": _optional(_int(1), "micro_batches per worker and round"),
+    "balance": _choice(BALANCES),
     "max_micro_batches": _optional(_int(1), "no cap"),
     "max_round_overhead": _float(0, 1, high_open=True, note="0 turns it off"),
     "max_steps": _int(1),

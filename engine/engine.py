@@ -4,9 +4,10 @@
     history = engine.fit(batches)      # this worker's micro-batches
     engine.save("ckpt")                # Engine.load("ckpt", model) resumes the same trajectory
 
-At a round boundary (after a micro-batch), the compute side waits for the round in flight (or,
-in adaptive mode, only swaps once it is done), installs the parameters it gathered, submits the
-gradients it just accumulated as the next round and goes on accumulating into the other buffer.
+At a round boundary (after this worker's share of the round's micro-batches, engine/batching.py),
+the compute side waits for the round in flight (in the batch-growing mode it keeps accumulating
+until that round is done), installs the parameters it gathered, submits the gradients it just
+accumulated as the next round and goes on accumulating into the other buffer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
 from .loss import LossFn, batch_size, default_loss
-from .pacing import Pacer
+from .batching import Accumulation
 from .rounds import RoundContext, RoundRequest, RoundResult
 from .state import EngineState
 from .strategies import make_strategy
@@ -88,10 +89,11 @@ class Engine:
         self.history: list[dict] = []
         self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
         self.timeline: list[tuple] = []
-        # adaptive on CPU with overlap: the comm side's CPU per round sets a floor on the
-        # micro-batches per round (zero1 has nothing to overlap: adaptive is fixed there)
-        paced = cfg.accumulation == "adaptive" and device.type == "cpu" and self.plan.overlap
-        self.pacer = Pacer(cfg.max_round_overhead if paced else 0.0, cfg.micro_batches, cfg.max_micro_batches)
+        # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
+        # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
+        self.accumulation = Accumulation(cfg, self.plan, rank, world,
+                                         paced=device.type == "cpu" and self.plan.overlap)
+        self._round_compute_s = 0.0  # this worker's compute seconds in the round it accumulates
         self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
         self._cpu_mark = (time.process_time(), time.thread_time())
         self._stop_at = cfg.max_steps  # fit(steps=...) stops its call earlier
@@ -222,7 +224,7 @@ class Engine:
         tensors.update(strategy_tensors)
         meta = {"rank": self.rank, "world_size": self.world_size, **self.state.state_dict(),
                 "opt_step": state.step, "shard_size": self.flat.shard_size, "numel": self.flat.numel,
-                **strategy_meta}
+                "accumulation": self.accumulation.state_dict(), **strategy_meta}
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, where: str = "the state") -> None:
@@ -247,6 +249,7 @@ class Engine:
         if "rng_cuda" in tensors and dev.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng_cuda"].cpu(), dev)
         self.state.load_state_dict(meta, dev)
+        self.accumulation.load_state_dict(meta.get("accumulation", {}))
         self.strategy.load_state_dict(self.ctx, tensors, meta)
 
     def close(self) -> None:
@@ -263,10 +266,10 @@ class Engine:
     def _accumulate(self, it) -> bool:
         """Run micro-batches until this round may end; True if the data ran out."""
         cfg = self.cfg
-        fixed = cfg.accumulation == "fixed"
+        grow, least = self.accumulation.grow, self.accumulation.minimum(self.round_index)
         while True:
-            if self.state.pending_count >= (cfg.micro_batches if fixed else self.pacer.current):
-                if fixed or self._inflight is None:
+            if self.state.pending_count >= least:
+                if not grow or self._inflight is None:
                     return False
                 if cfg.max_micro_batches is not None and self.state.pending_count >= cfg.max_micro_batches:
                     return False
@@ -294,7 +297,8 @@ class Engine:
         self.state.pending_loss += loss.detach().float()
         self.state.consumed += 1
         t1 = time.perf_counter()
-        self.pacer.on_micro_batch(t1 - t0)
+        self.accumulation.pacer.on_micro_batch(t1 - t0)
+        self._round_compute_s += t1 - t0
         if self.cfg.record_timeline:
             self.timeline.append(("compute", self.rank, t0, t1, self.round_index))
 
@@ -319,7 +323,9 @@ class Engine:
             index=self.round_index, kind=self.plan.kind(self.round_index), step_index=self.step,
             grad_index=self.flat.active, count=self.state.pending_count, samples=self.state.pending_samples,
             loss_sum=self.state.pending_loss.clone(), exhausted=exhausted,
-            first_of_step=self.round_index % self.plan.rounds_per_step == 0)
+            first_of_step=self.round_index % self.plan.rounds_per_step == 0,
+            micro_batch_s=self._round_compute_s / self.state.pending_count if self.state.pending_count else 0.0)
+        self._round_compute_s = 0.0
         if self.worker.stream is not None:
             # the comm stream reads this compute-stream tensor: keep its memory until it has
             req.loss_sum.record_stream(self.worker.stream)
@@ -352,7 +358,7 @@ class Engine:
         comm_cpu = max(0.0, (proc - self._cpu_mark[0]) - (main - self._cpu_mark[1]))
         self._cpu_mark = (proc, main)
         self.comm_cpu_s.append(comm_cpu)
-        self.pacer.on_round(comm_cpu)
+        self.accumulation.on_round(result.micro_batch_s, comm_cpu)
         self._step_rounds += 1
         self._step_local += result.local_count
         self._step_bytes += result.bytes_sent
@@ -374,7 +380,7 @@ class Engine:
             "micro_batches": self._step_local, "global_micro_batches": result.count,
             "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
             "skipped": result.skipped, "bad_ranks": result.bad_ranks, "rounds": self._step_rounds,
-            "min_micro_batches": self.pacer.current,
+            "min_micro_batches": self.accumulation.pacer.current,
         }
         if result.skipped:
             log.warning("step %d skipped: %s rank(s) %s; the master, the optimizer state and the "

@@ -31,6 +31,7 @@ class RoundRequest:
     loss_sum: torch.Tensor  # sum of this worker's micro-batch losses (a 0-d tensor)
     exhausted: bool  # this worker's data ran out: everyone stops after this round
     first_of_step: bool = True  # the first round of an optimizer step (error state is marked)
+    micro_batch_s: float = 0.0  # this worker's mean compute seconds per micro-batch (0: none run)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class RoundResult:
     bytes_sent: int
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     skip_reason: str = ""  # why a skipped step was skipped, for the warning
+    micro_batch_s: list[float] | None = None  # every rank's RoundRequest.micro_batch_s (all-reduced)
 
 
 def squared_norm_f64(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The ZeRO-1 round every sharded strategy shares, top to bottom:
 
     reduce-scatter this worker's gradient sum -> the fp32 sum of the owned shard
-    one small all-reduce: counts, loss, squared norm, every rank's flags
+    one small all-reduce: counts, loss, squared norm, every rank's flags and speed
     the shard optimizer proposes a step (nothing written yet)
     all-gather the new shards; a commit installs the proposal once all of them are finite
 
@@ -41,6 +41,7 @@ class RoundTotals:
     bad_ranks: list[int]
     nonfinite: bool
     reason: str  # why the step is skipped, for the warning
+    micro_batch_s: list[float]  # every rank's seconds per micro-batch in this round
 
 
 class ShardedStrategy(Strategy):
@@ -95,20 +96,21 @@ class ShardedStrategy(Strategy):
             loss=totals.loss_sum / totals.count if totals.count else float("nan"), lr=lr, grad_norm=grad_norm,
             skipped=totals.nonfinite, empty=totals.count == 0, bad_ranks=totals.bad_ranks,
             exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - bytes_before,
-            phases=phases, skip_reason=totals.reason)
+            phases=phases, skip_reason=totals.reason, micro_batch_s=totals.micro_batch_s)
 
 
 def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: torch.Tensor,
           kept: KeptHalf | None) -> RoundTotals:
-    """One small all-reduce carries counts, loss, the squared norm and every rank's flags; it is
-    the round's one host read (engine/host.py)."""
+    """One small all-reduce carries counts, loss, the squared norm, every rank's flags and
+    seconds per micro-batch; it is the round's one host read (engine/host.py)."""
     n, rank = ctx.comm.world_size, ctx.comm.rank
-    small = torch.zeros(4 + 2 * n, dtype=torch.float64, device=step_sum.device)
+    small = torch.zeros(4 + 3 * n, dtype=torch.float64, device=step_sum.device)
     small[0], small[1] = req.count, req.samples
     small[2] = req.loss_sum.to(torch.float64)
     small[3] = torch.dot(step_sum, step_sum).to(torch.float64)  # fp32: one pass, no temporary
     small[4 + rank] = float(req.exhausted)
     small[4 + n + rank] = local_bad
+    small[4 + 2 * n + rank] = req.micro_batch_s  # one writer per slot: the sum is exact on every rank
     small = to_host(ctx.comm.all_reduce_sum(small))
     round_count, round_samples, round_loss = int(small[0]), int(small[1]), float(small[2])
     own_bad = {i for i in range(n) if small[4 + n + i] > 0}
@@ -132,7 +134,8 @@ def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_ba
                 f"{bad_ranks or 'unknown (the reduced sum overflowed)'}: lower the learning rate, clip "
                 "gradients (max_grad_norm), check the data, or set nan_policy='skip'")
     return RoundTotals(round_count, round_samples, round_loss, count, samples, loss_sum, sq_norm,
-                       [i for i in range(n) if small[4 + i] > 0], bad_ranks, nonfinite, reason)
+                       [i for i in range(n) if small[4 + i] > 0], bad_ranks, nonfinite, reason,
+                       [float(t) for t in small[4 + 2 * n:]])
 
 
 def propose(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float) -> ShardState:

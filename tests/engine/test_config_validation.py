@@ -39,6 +39,13 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"max_micro_batches": True}, "max_micro_batches must be None (no cap) or a positive integer, got True"),
     ({"max_micro_batches": "8"}, "max_micro_batches must be None (no cap) or a positive integer, got '8'"),
     ({"micro_batches": 4, "max_micro_batches": 2}, "max_micro_batches (2) is below micro_batches (4)"),
+    ({"accumulation": "adaptive"}, "accumulation 'adaptive' is now called 'grow'"),
+    ({"max_micro_batches": 2}, "max_micro_batches caps accumulation='grow'"),
+    ({"global_micro_batches": 0}, "global_micro_batches must be None (micro_batches per worker and round) or a positive"),
+    ({"global_micro_batches": 8, "accumulation": "grow"}, "global_micro_batches fixes the batch but accumulation='grow'"),
+    ({"global_micro_batches": 8, "micro_batches": 2}, "set one of micro_batches (2, per worker and round)"),
+    ({"balance": "speed"}, "balance='speed' shares out a global batch"),
+    ({"balance": "fast"}, "unknown balance 'fast'"),
     ({"max_round_overhead": 1.0}, "max_round_overhead must be a finite number in [0, 1) (0 turns it off), got 1.0"),
     ({"max_round_overhead": -0.1}, "max_round_overhead must be a finite number in [0, 1)"),
     ({"max_round_overhead": NAN}, "max_round_overhead must be a finite number in [0, 1) (0 turns it off), got nan"),
@@ -209,6 +216,9 @@ def test_bad_value_is_refused_at_construction(kwargs, fragment):
 @pytest.mark.parametrize("kwargs, fragment", BAD_VALUES, ids=[_id(kw) for kw, _ in BAD_VALUES])
 def test_bad_value_is_refused_by_from_dict(kwargs, fragment):
     # a corrupt engine.json: the same message (from_dict turns JSON lists back into tuples)
+    if kwargs == {"accumulation": "adaptive"}:
+        assert EngineConfig.from_dict(kwargs).accumulation == "grow"  # what older checkpoints say
+        return
     d = {**EngineConfig().to_dict(), **{k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}}
     with pytest.raises(ValueError, match=re.escape(fragment)):
         EngineConfig.from_dict(d)
@@ -227,7 +237,8 @@ def test_every_field_has_a_bad_value():
     {"max_round_overhead": 0, "timeout_s": 30, "heartbeat_s": 10, "max_grad_norm": 1},
     {"betas": [0.9, 0.95]},  # a list of two is a pair too
     {"betas": (0.0, 0.0)},
-    {"strategy": "zero1", "accumulation": "fixed", "micro_batches": 4, "max_micro_batches": 4},
+    {"strategy": "zero1", "accumulation": "grow", "micro_batches": 4, "max_micro_batches": 4},
+    {"strategy": "acco", "accumulation": "fixed", "global_micro_batches": 6, "balance": "speed"},
     {"strategy": "dpu", "optimizer": "sgd", "momentum": 0.5, "nesterov": True},
     {"lr_schedule": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1, "max_steps": 100},
     {"codec": "loco4", "param_codec": "int8", "group_size": 64, "scale_dtype": "bfloat16",
@@ -255,7 +266,8 @@ def test_from_dict_round_trips_to_dict():
     cfg = EngineConfig(strategy="dpu", optimizer="sgd", lr=0.1, betas=(0.8, 0.9), momentum=0.5,
                        nesterov=True, max_grad_norm=2.0, lr_schedule="linear", warmup_steps=3,
                        min_lr_ratio=0.25, codec="ef4", param_codec="int4", group_size=32, seed=7,
-                       checkpoint_dir="runs/a", checkpoint_every=5, max_micro_batches=3)
+                       checkpoint_dir="runs/a", checkpoint_every=5, accumulation="grow",
+                       max_micro_batches=3)
     assert EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert EngineConfig.from_dict(EngineConfig().to_dict()) == EngineConfig()
     as_path = EngineConfig(checkpoint_dir=pathlib.Path("runs") / "a", checkpoint_every=5)

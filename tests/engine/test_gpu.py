@@ -45,7 +45,7 @@ def test_adaptive_overlap_with_slow_comm_stream_keeps_order():
     """A round made slow on the GPU (a long kernel on the comm stream) must not be installed
     before it is done: the compute stream waits on its event, and results still match."""
     model = tiny_model(0).cuda()
-    cfg = EngineConfig(strategy="acco", lr=1e-2, micro_batches=1, accumulation="adaptive", max_steps=6,
+    cfg = EngineConfig(strategy="acco", lr=1e-2, micro_batches=1, accumulation="grow", max_steps=6,
                        align=8, poison_freed_buffers=True)
     import engine.rounds as rounds
 

@@ -26,7 +26,7 @@ def slow_loss(rank):
 
 
 def run_adaptive(rank: int, world: int, strategy: str):
-    cfg = EngineConfig(strategy=strategy, lr=1e-2, micro_batches=1, accumulation="adaptive",
+    cfg = EngineConfig(strategy=strategy, lr=1e-2, micro_batches=1, accumulation="grow",
                        max_micro_batches=40, max_steps=STEPS, align=8)
     engine = Engine(tiny_model(0), cfg, slow_loss(rank))
     history = engine.fit(worker_stream(rank, 2000))

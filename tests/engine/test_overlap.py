@@ -31,7 +31,7 @@ def overlapped_micro_batches(rank: int, world: int, strategy: str) -> dict:
         time.sleep(0.01)  # a micro-batch worth of compute
         return mse_loss(model, batch)
 
-    cfg = EngineConfig(strategy=strategy, lr=1e-2, micro_batches=1, accumulation="adaptive",
+    cfg = EngineConfig(strategy=strategy, lr=1e-2, micro_batches=1, accumulation="grow",
                        max_steps=6, align=8, record_timeline=True)
     engine = Engine(tiny_model(0), cfg, loss_fn)
     start = time.perf_counter()

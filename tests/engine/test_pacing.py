@@ -71,7 +71,7 @@ def _rounds(rank: int, world: int, overhead: float) -> list[int]:
         time.sleep(0.01)  # 10 ms of "compute" that leaves the CPU to the comm side
         return mse_loss(model, batch)
 
-    cfg = EngineConfig(strategy="acco", lr=1e-2, micro_batches=1, max_micro_batches=8, max_steps=8,
+    cfg = EngineConfig(strategy="acco", lr=1e-2, accumulation="grow", micro_batches=1, max_micro_batches=8, max_steps=8,
                        align=8, max_round_overhead=overhead)
     engine = Engine(tiny_model(0), cfg, loss_fn)
     engine.fit(worker_stream(rank, 5000))

