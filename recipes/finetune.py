@@ -129,6 +129,9 @@ RECIPE_HELP = {
     "checkpoint_every": "committed steps between engine checkpoints (the last step is always saved)",
     "seed": "seed of the tiny-gpt2 init, the data order and the engine",
     "timeout_s": "seconds a silent peer may take before the run stops with an error",
+    "global_micro_batches": "micro-batches per optimizer step, all workers and rounds together: the "
+                            "global batch in sequences is this x --micro-batch-size (acco splits it over "
+                            "its estimate and commit rounds); none = --micro-batches per worker and round",
 }
 
 
