@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES, validate_schedule
 
+from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional
 from .strategies import STRATEGIES  # names only: a strategy's module loads when first used
 
 ACCUMULATION_MODES = ("fixed", "grow")
@@ -269,97 +269,20 @@ def _section(name: str, value: Any):
 
 
 # ------------------------------------------------------------------------ the per-field rules
-Rule = Callable[[str, Any], None]  # (field name, value) -> None, or raises ValueError
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """What one field accepts: ``ok`` decides, ``allowed`` says it in the error message."""
-
-    allowed: str
-    ok: Callable[[Any], bool]
-
-    def __call__(self, name: str, value: Any) -> None:
-        if not self.ok(value):
-            raise ValueError(f"{name} must be {self.allowed}, got {value!r}")
-
-
-def _int(minimum: int) -> _Rule:
-    """An int (not a bool, not a float) >= minimum."""
-    allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    return _Rule(allowed, lambda v: _is_int(v) and v >= minimum)
-
-
-def _float(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False,
-           note: str = "") -> _Rule:
-    """A finite int or float (not a bool) in the interval; ``note`` says what a value means."""
-    if high == math.inf:
-        allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
-    else:
-        allowed = f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    if note:
-        allowed += f" ({note})"
-
-    def ok(v: Any) -> bool:
-        return (_finite(v) and (v > low if low_open else v >= low)
-                and (v < high if high_open else v <= high))
-
-    return _Rule(allowed, ok)
-
-
-def _optional(rule: _Rule, none_means: str) -> _Rule:
-    return _Rule(f"None ({none_means}) or {rule.allowed}", lambda v: v is None or rule.ok(v))
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """One of a closed set of names (the recipes' flags list ``options``)."""
-
-    options: tuple[str, ...]
-
-    def __call__(self, name: str, value: Any) -> None:
-        if not isinstance(value, str) or value not in self.options:
-            raise ValueError(f"unknown {name} {value!r}: choose one of {self.options}")
-
-
-class _Renamed(_Choice):
-    """A closed set where some names of earlier releases say what they are called now."""
-
-    def __init__(self, options: tuple[str, ...], renamed: dict[str, str]):
-        super().__init__(options)
-        object.__setattr__(self, "renamed", renamed)
-
-    def __call__(self, name: str, value: Any) -> None:
-        if value in self.renamed:
-            raise ValueError(f"{name} {value!r} is now called {self.renamed[value]!r}: use that "
-                             f"(choose one of {self.options})")
-        super().__call__(name, value)
-
-
-def _choice(options: tuple[str, ...] | list[str]) -> _Choice:
-    return _Choice(tuple(options))
-
-
-_bool = _Rule("True or False (a bool, not 0/1 or a string)", lambda v: isinstance(v, bool))
-
-_betas = _Rule("a pair (beta1, beta2) of finite numbers in [0, 1)",
+_betas = Check("a pair (beta1, beta2) of finite numbers in [0, 1)",
                lambda v: isinstance(v, (tuple, list)) and len(v) == 2
                and all(_finite(b) and 0 <= b < 1 for b in v))
 
-_seed = _Rule("an integer in [0, 2**32)", lambda v: _is_int(v) and 0 <= v < SEED_LIMIT)
+_seed = Check("an integer in [0, 2**32)", lambda v: is_int(v) and 0 <= v < SEED_LIMIT)
 
-_group_size = _Rule("a positive multiple of 8", lambda v: _is_int(v) and v > 0 and v % 8 == 0)
+_group_size = Check("a positive multiple of 8", lambda v: is_int(v) and v > 0 and v % 8 == 0)
 
-_checkpoint_dir = _Rule("None or a non-empty path (a str or os.PathLike)",
+_checkpoint_dir = Check("None or a non-empty path (a str or os.PathLike)",
                         lambda v: v is None or isinstance(v, (str, os.PathLike))
                         and isinstance(os.fspath(v), str) and os.fspath(v) != "")
 
 
-class _GradCodecChoice(_Choice):
+class _GradCodecChoice(Choice):
     def __call__(self, name: str, value: Any) -> None:
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
@@ -368,46 +291,46 @@ class _GradCodecChoice(_Choice):
 
 # One line per field: adding a field to EngineConfig means adding its rule here.
 _RULES: dict[str, Rule] = {
-    "strategy": _choice(tuple(STRATEGIES)),
-    "micro_batches": _int(1),
-    "accumulation": _Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
-    "global_micro_batches": _optional(_int(1), "micro_batches per worker and round"),
-    "balance": _choice(BALANCES),
-    "max_micro_batches": _optional(_int(1), "no cap"),
-    "max_round_overhead": _float(0, 1, high_open=True, note="0 turns it off"),
-    "max_steps": _int(1),
-    "optimizer": _choice(tuple(OPTIMIZERS)),
-    "lr": _float(0, low_open=True),
+    "strategy": choice(tuple(STRATEGIES)),
+    "micro_batches": integer(1),
+    "accumulation": Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
+    "global_micro_batches": optional(integer(1), "micro_batches per worker and round"),
+    "balance": choice(BALANCES),
+    "max_micro_batches": optional(integer(1), "no cap"),
+    "max_round_overhead": number(0, 1, high_open=True, note="0 turns it off"),
+    "max_steps": integer(1),
+    "optimizer": choice(tuple(OPTIMIZERS)),
+    "lr": number(0, low_open=True),
     "betas": _betas,
-    "eps": _float(0, low_open=True),
-    "weight_decay": _float(0),
-    "momentum": _float(0, 1, high_open=True),
-    "nesterov": _bool,
-    "max_grad_norm": _optional(_float(0, low_open=True), "no clipping"),
-    "lr_schedule": _choice(SCHEDULES),
-    "warmup_steps": _int(0),
-    "min_lr_ratio": _float(0, 1),
-    "compute_dtype": _choice(COMPUTE_DTYPES),
-    "align": _int(1),
-    "nan_policy": _choice(NAN_POLICIES),
+    "eps": number(0, low_open=True),
+    "weight_decay": number(0),
+    "momentum": number(0, 1, high_open=True),
+    "nesterov": boolean,
+    "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
+    "lr_schedule": choice(SCHEDULES),
+    "warmup_steps": integer(0),
+    "min_lr_ratio": number(0, 1),
+    "compute_dtype": choice(COMPUTE_DTYPES),
+    "align": integer(1),
+    "nan_policy": choice(NAN_POLICIES),
     "seed": _seed,
     "codec": _GradCodecChoice(tuple(GRAD_CODECS)),
-    "param_codec": _choice(PARAM_CODECS),
+    "param_codec": choice(PARAM_CODECS),
     "group_size": _group_size,
-    "loco_beta": _float(0, 1, high_open=True),
-    "reset_period": _int(1),
-    "error_storage": _choice(ERROR_STORAGES),
-    "scale_dtype": _choice(SCALE_DTYPES),
-    "stochastic_rounding": _bool,
-    "timeout_s": _float(0, low_open=True),
-    "heartbeat_s": _float(0, low_open=True),
-    "comm_chunks": _int(1),
+    "loco_beta": number(0, 1, high_open=True),
+    "reset_period": integer(1),
+    "error_storage": choice(ERROR_STORAGES),
+    "scale_dtype": choice(SCALE_DTYPES),
+    "stochastic_rounding": boolean,
+    "timeout_s": number(0, low_open=True),
+    "heartbeat_s": number(0, low_open=True),
+    "comm_chunks": integer(1),
     "checkpoint_dir": _checkpoint_dir,
-    "checkpoint_every": _int(0),
-    "progress": _bool,
-    "record_timeline": _bool,
-    "poison_freed_buffers": _bool,
-    "keep_cpu_memory": _bool,
+    "checkpoint_every": integer(0),
+    "progress": boolean,
+    "record_timeline": boolean,
+    "poison_freed_buffers": boolean,
+    "keep_cpu_memory": boolean,
 }
 
 _unruled = set(EngineConfig.field_names()) ^ set(_RULES)

@@ -1,0 +1,87 @@
+"""The building blocks of EngineConfig's per-field rules: each checks one value and says what is
+allowed in its error message (engine/config.py holds the table, one rule per field)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from acco_loco.optim import finite_number as _finite
+
+Rule = Callable[[str, Any], None]  # (field name, value) -> None, or raises ValueError
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Check:
+    """What one field accepts: ``ok`` decides, ``allowed`` says it in the error message."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+
+    def __call__(self, name: str, value: Any) -> None:
+        if not self.ok(value):
+            raise ValueError(f"{name} must be {self.allowed}, got {value!r}")
+
+
+def integer(minimum: int) -> Check:
+    """An int (not a bool, not a float) >= minimum."""
+    allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    return Check(allowed, lambda v: is_int(v) and v >= minimum)
+
+
+def number(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False,
+           note: str = "") -> Check:
+    """A finite int or float (not a bool) in the interval; ``note`` says what a value means."""
+    if high == math.inf:
+        allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        allowed = f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if note:
+        allowed += f" ({note})"
+
+    def ok(v: Any) -> bool:
+        return (_finite(v) and (v > low if low_open else v >= low)
+                and (v < high if high_open else v <= high))
+
+    return Check(allowed, ok)
+
+
+def optional(rule: Check, none_means: str) -> Check:
+    return Check(f"None ({none_means}) or {rule.allowed}", lambda v: v is None or rule.ok(v))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a closed set of names (the recipes' flags list ``options``)."""
+
+    options: tuple[str, ...]
+
+    def __call__(self, name: str, value: Any) -> None:
+        if not isinstance(value, str) or value not in self.options:
+            raise ValueError(f"unknown {name} {value!r}: choose one of {self.options}")
+
+
+class Renamed(Choice):
+    """A closed set where some names of earlier releases say what they are called now."""
+
+    def __init__(self, options: tuple[str, ...], renamed: dict[str, str]):
+        super().__init__(options)
+        object.__setattr__(self, "renamed", renamed)
+
+    def __call__(self, name: str, value: Any) -> None:
+        if value in self.renamed:
+            raise ValueError(f"{name} {value!r} is now called {self.renamed[value]!r}: use that "
+                             f"(choose one of {self.options})")
+        super().__call__(name, value)
+
+
+def choice(options: tuple[str, ...] | list[str]) -> Choice:
+    return Choice(tuple(options))
+
+
+boolean = Check("True or False (a bool, not 0/1 or a string)", lambda v: isinstance(v, bool))
