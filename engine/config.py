@@ -24,6 +24,11 @@ STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align", "codec",
                      "group_size", "error_storage", "scale_dtype")
 ERROR_STORAGES = ("int8", "fp32")
 SCALE_DTYPES = ("float32", "bfloat16")
+OUTER_MOMENTUM_KINDS = ("nesterov", "heavy_ball")
+PSEUDO_GRAD_DTYPES = ("float32", "bfloat16")
+SPARSE_AGGREGATES = ("mean", "contributors")
+TOPK_VALUE_BITS = (1, 2, 4, 8)  # what acco_loco/bitpack.py packs
+MAX_TOPK_CHUNK = 2**16  # indices within a chunk fit 16 bits
 SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 
@@ -102,6 +107,31 @@ class CommunicationConfig:
 
 
 @dataclass
+class OuterConfig:
+    """Local-step strategies (diloco, sparseloco; docs/DESIGN.md section 1.6): every worker takes
+    inner optimizer steps alone, and an outer round merges them every inner_steps steps."""
+
+    inner_steps: int = setting(15, "diloco/sparseloco: inner optimizer steps each worker takes alone "
+                               "between outer rounds (H)")
+    outer_lr: float = setting(0.7, "diloco/sparseloco: learning rate of the outer step on the averaged "
+                              "pseudo-gradient (DiLoCo's 0.7)")
+    outer_momentum: float = setting(0.9, "diloco: momentum of the outer SGD (DiLoCo's 0.9; 0 = none)")
+    outer_momentum_kind: str = setting("nesterov", "diloco: nesterov (DiLoCo) or heavy_ball outer momentum")
+    pseudo_grad_dtype: str = setting("float32", "diloco: dtype of the pseudo-gradient average on the wire")
+    topk_density: float = setting(0.02, "sparseloco: fraction of each chunk's values sent (top-k by magnitude)")
+    topk_chunk: int = setting(4096, "sparseloco: values per top-k chunk (indices take ceil(log2 chunk) bits)")
+    topk_value_bits: int = setting(2, "sparseloco: bits per sent value (1 sign bit + magnitude bits)")
+    sparse_error_beta: float = setting(0.95, "sparseloco: decay of the error-feedback accumulator")
+    sparse_aggregate: str = setting("mean", "sparseloco: mean = sum over workers / R (the paper); "
+                                    "contributors = per value, the mean over the workers that sent it (templar)")
+    outer_overlap: bool = setting(False, "diloco/sparseloco: keep taking inner steps while the outer round "
+                                  "travels, and merge its result one round later")
+    outer_period_s: float | None = setting(None, "diloco/sparseloco: an outer round every this many seconds "
+                                           "instead of every inner_steps (mixed-speed workers; weighted by "
+                                           "samples); none = every inner_steps")
+
+
+@dataclass
 class RuntimeConfig:
     """Failure detection, checkpoints, progress and debugging."""
 
@@ -116,7 +146,7 @@ class RuntimeConfig:
 
 
 SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
-            "comm": CommunicationConfig, "runtime": RuntimeConfig}
+            "comm": CommunicationConfig, "outer": OuterConfig, "runtime": RuntimeConfig}
 # the flat keywords of earlier releases (and of the README's example) -> (section, field)
 _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
@@ -136,7 +166,10 @@ class EngineConfig:
 
     strategy: str = setting("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one "
                             "step stale); acco = estimate + commit rounds that overlap communication "
-                            "with compute; local_sgd = parameter averaging every round")
+                            "with compute; local_sgd = parameter averaging every round; diloco = inner AdamW "
+                            "steps alone, outer Nesterov SGD on the averaged pseudo-gradient every "
+                            "inner_steps; sparseloco = the same with error feedback and a top-k 2-bit "
+                            "pseudo-gradient")
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
     nan_policy: str = setting("skip", "on a non-finite gradient or update: skip the step everywhere, or stop")
@@ -145,6 +178,7 @@ class EngineConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
     comm: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -331,6 +365,18 @@ _RULES: dict[str, Rule] = {
     "record_timeline": boolean,
     "poison_freed_buffers": boolean,
     "keep_cpu_memory": boolean,
+    "inner_steps": integer(1),
+    "outer_lr": number(0, low_open=True),
+    "outer_momentum": number(0, 1, high_open=True),
+    "outer_momentum_kind": choice(OUTER_MOMENTUM_KINDS),
+    "pseudo_grad_dtype": choice(PSEUDO_GRAD_DTYPES),
+    "topk_density": number(0, 1, low_open=True),
+    "topk_chunk": Check(f"an integer in [2, {MAX_TOPK_CHUNK}]", lambda v: is_int(v) and 2 <= v <= MAX_TOPK_CHUNK),
+    "topk_value_bits": Check(f"one of {TOPK_VALUE_BITS}", lambda v: is_int(v) and v in TOPK_VALUE_BITS),
+    "sparse_error_beta": number(0, 1),
+    "sparse_aggregate": choice(SPARSE_AGGREGATES),
+    "outer_overlap": boolean,
+    "outer_period_s": optional(number(0, low_open=True), "every inner_steps"),
 }
 
 _unruled = set(EngineConfig.field_names()) ^ set(_RULES)
