@@ -108,7 +108,7 @@ class CommunicationConfig:
 
 @dataclass
 class OuterConfig:
-    """Local-step strategies (diloco, sparseloco; docs/DESIGN.md section 1.6): every worker takes
+    """Local-step strategies (diloco, sparseloco; docs/DESIGN.md section 8): every worker takes
     inner optimizer steps alone, and an outer round merges them every inner_steps steps."""
 
     inner_steps: int = setting(15, "diloco/sparseloco: inner optimizer steps each worker takes alone "
