@@ -9,6 +9,7 @@ from typing import Callable
 
 from .codecs import Codec, make_codec
 from .fp16_codec import Fp16Codec
+from .topk_codec import TopKCodec
 
 # wire codec name -> factory(group_size, scale_dtype)
 WIRE_CODECS: dict[str, Callable[[int, str], Codec]] = {
@@ -48,6 +49,10 @@ GRAD_CODECS: dict[str, GradCodecSpec | None] = _grad_codecs()
 PARAM_CASTS = ("auto", "float32", "bfloat16")
 PARAM_DELTA_CODECS = ("int8", "int4")
 PARAM_CODECS = PARAM_CASTS + PARAM_DELTA_CODECS
+
+
+# pseudo-gradient codecs of the local-step strategies: name -> factory(chunk, density, bits)
+PSEUDO_GRAD_CODECS: dict[str, Callable[[int, float, int], TopKCodec]] = {"topk": TopKCodec}
 
 
 def parse_grad_codec(name: str) -> GradCodecSpec | None:
