@@ -8,6 +8,10 @@ At a round boundary (after this worker's share of the round's micro-batches, eng
 the compute side waits for the round in flight (in the batch-growing mode it keeps accumulating
 until that round is done), installs the parameters it gathered, submits the gradients it just
 accumulated as the next round and goes on accumulating into the other buffer.
+
+Local-step strategies (``plan.local_steps`` > 0: diloco, sparseloco; docs/DESIGN.md section 8)
+take an inner optimizer step at every boundary instead, on this worker alone, and submit an
+outer round only when the strategy says one is due (``_local_boundary``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Engine:
 
         self.ctx = self._place_parameters(named, rank, world)
         self.flat = self.ctx.flat
+        if self.plan.local_steps:
+            self.strategy.setup(self.ctx)
         self.worker = CommWorker(device)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
@@ -85,6 +91,7 @@ class Engine:
         self._step_rounds = 0
         self._step_local = 0
         self._step_bytes = 0
+        self._outer_done: list[dict] = []  # local steps: outer rounds finished since the last entry
         self._clock = time.perf_counter()
         self.history: list[dict] = []
         self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
@@ -117,8 +124,10 @@ class Engine:
         self.comm.broadcast_(padded32, src=0)
         flat.data.copy_(padded32)
         grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
+        # local-step strategies run the optimizer on the whole buffer, their own full copy
+        owned = padded32 if self.plan.local_steps else flat.shard(padded32, rank)
         return RoundContext(cfg=cfg, comm=self.comm, flat=flat, spec=self.spec,
-                            shard_state=init_state(flat.shard(padded32, rank), self.spec), grads=grads,
+                            shard_state=init_state(owned, self.spec), grads=grads,
                             params=params, gather_buf=flat.data.clone())  # what every replica holds
 
     # ------------------------------------------------------------------ public API
@@ -257,7 +266,7 @@ class Engine:
             return
         self._closed = True
         if self._inflight is not None:
-            self._finish(self._inflight)
+            (self._finish_outer if self.plan.local_steps else self._finish)(self._inflight)
             self._inflight = None
         self.watchdog.close()
         self.worker.close()
@@ -304,6 +313,8 @@ class Engine:
 
     def _boundary(self, exhausted: bool) -> bool:
         """Finish the round in flight, submit the next; True when training must stop."""
+        if self.plan.local_steps:
+            return self._local_boundary(exhausted)
         if self._inflight is not None:
             handle, self._inflight = self._inflight, None
             if self._finish(handle):
@@ -343,15 +354,30 @@ class Engine:
 
     def _finish(self, handle: RoundHandle) -> bool:
         """Wait for a round, install its parameters, record a committed step; True to stop."""
+        result = self._wait(handle)
+        with torch.no_grad():
+            self.flat.data.copy_(self.ctx.gather_buf)
+        self._measure(result)
+        self._step_local += result.local_count
+        if result.kind is RoundKind.COMMIT and not result.empty:
+            self._record_step(result)
+        if result.exhausted_ranks:
+            self._warn_stopped_early(result.exhausted_ranks)
+            return True
+        return self.step >= self._stop_at
+
+    def _wait(self, handle: RoundHandle) -> RoundResult:
+        """The round's result, or the error a user should see (a lost peer is named)."""
         try:
-            result: RoundResult = handle.wait(self.cfg.timeout_s)
+            return handle.wait(self.cfg.timeout_s)
         except Exception as exc:
             err = self._explain(exc, f"round {handle.index} on rank {self.rank}")
             if err is exc:
                 raise
             raise err from exc
-        with torch.no_grad():
-            self.flat.data.copy_(self.ctx.gather_buf)
+
+    def _measure(self, result: RoundResult) -> None:
+        """A finished round's CPU, rounds, bytes and phases, for the next history entry."""
         # what the other threads (comm, gloo) used since the last round ended: on CPU it is
         # taken from the compute side's cores
         proc, main = time.process_time(), time.thread_time()
@@ -360,17 +386,102 @@ class Engine:
         self.comm_cpu_s.append(comm_cpu)
         self.accumulation.on_round(result.micro_batch_s, comm_cpu)
         self._step_rounds += 1
-        self._step_local += result.local_count
         self._step_bytes += result.bytes_sent
         if self.cfg.record_timeline:
             for phase, (a, b) in result.phases.items():
                 self.timeline.append((phase, self.rank, a, b, result.index))
-        if result.kind is RoundKind.COMMIT and not result.empty:
-            self._record_step(result)
+
+    # ------------------------------------------------------------------ local steps (diloco, sparseloco)
+    def _local_boundary(self, exhausted: bool) -> bool:
+        """The micro-batches just run make one inner step of this worker alone; an outer round
+        follows when it is due, or when this worker's data ran out. ``max_steps`` and the history
+        count inner steps. True when training must stop."""
+        entry = None if exhausted else self._inner_step()
+        stopping = self.step >= self._stop_at
+        stop = stopping
+        if exhausted or self.strategy.round_due(self.step, stopping):
+            stop = self._outer_round(exhausted, wait=stopping or exhausted) or stop
+        elif stopping:
+            stop = self._drain() or stop  # fit() returns with no round in flight
+        if entry is not None:
+            stop = self._record_inner(entry) or stop
+        return stop
+
+    def _inner_step(self) -> dict:
+        """Apply this worker's inner step (no communication); its history entry, to be completed
+        by _record_inner. Loss, samples and micro-batches are this worker's own."""
+        self.flat.check_grads_attached()
+        st, grad = self.state, self.flat.grads[self.flat.active]
+        inner = self.strategy.inner_step(self.ctx, grad, st.pending_count, st.pending_samples,
+                                         float(st.pending_loss), self.step)
+        entry = {"step": self.step + 1, "loss": inner.loss, "lr": inner.lr, "samples": st.pending_samples,
+                 "micro_batches": st.pending_count, "global_micro_batches": None, "grad_norm": inner.grad_norm,
+                 "skipped": inner.skipped, "bad_ranks": [self.rank] if inner.skipped else [],
+                 "min_micro_batches": self.accumulation.pacer.current}
+        if inner.skipped:
+            log.warning("inner step %d skipped on rank %d: non-finite gradient or update; this worker's "
+                        "parameters and optimizer state are as before it", self.step + 1, self.rank)
+        st.step += 1
+        grad.zero_()
+        st.start_accumulator(self.device)
+        return entry
+
+    def _outer_round(self, exhausted: bool, wait: bool) -> bool:
+        """Finish the round in flight, submit the next outer round (waiting for it unless the
+        plan overlaps); True when training must stop."""
+        if self._drain():
+            return True
+        self.strategy.before_round(self.ctx, self.step >= self._stop_at)
+        req = RoundRequest(index=self.round_index, kind=RoundKind.COMMIT, step_index=self.step,
+                           grad_index=self.flat.active, count=0, samples=0,
+                           loss_sum=torch.zeros((), device=self.device), exhausted=exhausted)
+        handle = self.worker.submit(req.index, partial(self.strategy.run_round, self.ctx, req))
+        self._submitted_at = time.perf_counter()
+        self.state.round_index += 1
+        self.watchdog.round = req.index
+        if not self.plan.overlap or wait:
+            return self._finish_outer(handle)
+        self._inflight = handle
+        return False
+
+    def _drain(self) -> bool:
+        """Finish the outer round in flight, if any; True when training must stop."""
+        if self._inflight is None:
+            return False
+        handle, self._inflight = self._inflight, None
+        return self._finish_outer(handle)
+
+    def _finish_outer(self, handle: RoundHandle) -> bool:
+        result = self._wait(handle)
+        stop = self.strategy.after_round(self.ctx, result)
+        self._measure(result)
+        self._outer_done.append({"round": result.index, "loss": result.loss, "samples": result.samples,
+                                 "micro_batches": result.count, "skipped": result.skipped,
+                                 "bytes": result.bytes_sent})
+        if result.skipped:
+            log.warning("outer round %d skipped: %s rank(s) %s; theta_sync is as before it", result.index,
+                        result.skip_reason, result.bad_ranks)
         if result.exhausted_ranks:
             self._warn_stopped_early(result.exhausted_ranks)
             return True
-        return self.step >= self._stop_at
+        return stop
+
+    def _record_inner(self, entry: dict) -> bool:
+        """Complete and append an inner step's entry (outer rounds finished since the last one:
+        their bytes and results); a periodic checkpoint first finishes the round in flight."""
+        now = time.perf_counter()
+        entry.update({"wire_bytes": self._step_bytes, "time_s": now - self._clock, "rounds": self._step_rounds,
+                      "outer": self._outer_done})
+        self.history.append(entry)
+        self._clock = now
+        self._step_rounds = self._step_bytes = 0
+        self._outer_done = []
+        cfg = self.cfg
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            stop = self._drain()  # a checkpoint needs no round in flight; the merge waits as before
+            ckpt.save_periodic(self, cfg.checkpoint_dir)
+            return stop
+        return False
 
     def _record_step(self, result: RoundResult) -> None:
         self.state.step += 1

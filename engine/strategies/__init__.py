@@ -11,6 +11,8 @@ STRATEGIES: dict[str, str] = {
     "dpu": "engine.strategies.dpu:DelayedUpdate",
     "acco": "engine.strategies.acco:Acco",
     "local_sgd": "engine.strategies.local_sgd:LocalSGD",
+    "diloco": "engine.strategies.diloco:DiLoCo",
+    "sparseloco": "engine.strategies.sparseloco:SparseLoCo",
 }
 
 
@@ -21,4 +23,5 @@ def make_strategy(cfg):
     module, name = STRATEGIES[cfg.strategy].split(":")
     cls = getattr(importlib.import_module(module), name)
     cls.check(cfg)
-    return cls()
+    build = getattr(cls, "from_config", None)  # a strategy whose plan depends on the config
+    return build(cfg) if build is not None else cls()

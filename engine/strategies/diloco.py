@@ -1,0 +1,90 @@
+"""diloco: every worker takes H inner optimizer steps alone, then the workers average their
+pseudo-gradients and move the synchronised parameters with outer Nesterov SGD (Douillard et al.,
+"DiLoCo: Distributed Low-Communication Training of Language Models", arXiv 2311.08105; their
+outer lr 0.7 and momentum 0.9 are the defaults). docs/DESIGN.md section 8.
+
+One outer round, for worker w with theta_w after its inner steps and n_w samples in the period:
+
+    Delta_w    = theta_sync - theta_w                              (fp32)
+    Delta      = sum_w (n_w / sum_v n_v) Delta_w                   (1/R each when all ran as many)
+    buf        = Delta on the first round, else mu buf + Delta
+    theta_sync = theta_sync - outer_lr (Delta + mu buf)            (heavy_ball: - outer_lr buf)
+    theta_w    = theta_sync                                        (no overlap)
+
+The average is a reduce-scatter (``Comm.all_to_all_rows`` of the pseudo-gradient in
+``pseudo_grad_dtype``; each owner sums its shard in fp32, in rank order, weighted by the sample
+shares) and an all-gather of the averaged shards in the same dtype: the bytes of a ring
+all-reduce, and every replica gets the same bits. Per worker and round:
+
+    bytes = 2 (N - 1) (P / N) e + 2 (N - 1) (2 + 4 N) 8 / N        (e = 4 for float32, 2 for bfloat16)
+
+With ``outer_overlap`` the workers keep stepping while the round travels and merge its result one
+round later (engine/strategies/local_steps.py, DESIGN section 8):
+
+    at the boundary that ends period t:   theta_w += theta_sync_t - s_w     (if round t-1 was sent)
+                                          s_w = theta_w;  Delta_w = theta_sync_t - s_w;  send round t
+    round t computes theta_sync_{t+1} from Delta_t while period t+1 runs on theta_w.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from acco_loco.optim import ShardState
+from acco_loco.outer import outer_sgd_spec, outer_sgd_step
+
+from ..rounds import RoundContext
+from .local_steps import LocalStepStrategy
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DiLoCo(LocalStepStrategy):
+    name = "diloco"
+
+    def setup_outer(self, ctx: RoundContext) -> None:
+        cfg = ctx.cfg
+        self.momentum = torch.zeros_like(self.theta_sync)
+        self.outer_steps = 0  # the momentum buffer starts as the first Delta (torch.optim.SGD)
+        self.spec = outer_sgd_spec(cfg.outer_momentum, cfg.outer_momentum_kind == "nesterov")
+        self.wire = WIRE_DTYPES[cfg.pseudo_grad_dtype]
+
+    def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+        mean = self.average(ctx, delta, shares)
+        state = ShardState(master=self.theta_sync, exp_avg=self.momentum, step=self.outer_steps)
+        proposal = outer_sgd_step(state, mean, ctx.cfg.outer_lr, self.spec)
+        if not bool(torch.isfinite(proposal.master).all()):  # the same verdict on every replica
+            return False
+        self.theta_sync.copy_(proposal.master)  # persistent buffers: the compute side reads them
+        self.momentum.copy_(proposal.exp_avg)
+        self.outer_steps = proposal.step
+        return True
+
+    def average(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
+        """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype."""
+        comm, n = ctx.comm, ctx.comm.world_size
+        rows = comm.all_to_all_rows(delta.to(self.wire).view(n, -1))  # row r: rank r's piece of my shard
+        mine = torch.zeros(rows.shape[1], dtype=torch.float32, device=delta.device)
+        for rank, share in enumerate(shares):
+            if share:
+                mine.add_(rows[rank].to(torch.float32), alpha=share)
+        out = torch.empty(delta.numel(), dtype=self.wire, device=delta.device)
+        comm.all_gather(mine.to(self.wire), out)
+        return out.to(torch.float32)
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {"outer.momentum": self.momentum}
+
+    def outer_meta(self) -> dict:
+        return {"outer_steps": self.outer_steps}
+
+    def load_outer(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.momentum.copy_(tensors["outer.momentum"])
+        self.outer_steps = meta["outer_steps"]
+
+
+def round_bytes(padded: int, world: int, dtype: str = "float32") -> int:
+    """What one worker sends in one diloco round (Comm's count): reduce-scatter + all-gather of the
+    pseudo-gradient in ``dtype``, and the small all-reduce of 2 + 4N float64 values."""
+    e = torch.tensor([], dtype=WIRE_DTYPES[dtype]).element_size()
+    return 2 * (world - 1) * (padded // world) * e + 2 * (world - 1) * (2 + 4 * world) * 8 // world

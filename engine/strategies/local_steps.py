@@ -1,0 +1,274 @@
+"""What diloco and sparseloco share (docs/DESIGN.md section 8): every worker takes inner optimizer
+steps alone on its own full copy of the parameters, and an outer round every H inner steps moves
+the synchronised parameters ``theta_sync`` (the same on every replica) by the workers' combined
+pseudo-gradients ``Delta_w = theta_sync - theta_w``.
+
+Compute side (the caller's thread; ``Engine._local_boundary`` calls these in this order):
+
+    inner_step     one optimizer step of this worker alone on the micro-batches it just ran
+    round_due      whether the outer round starts now (every H inner steps, or the period)
+    before_round   overlap: merge the last round's result; snapshot theta_w as the round's input
+    after_round    no overlap: theta_w = theta_sync; overlap: the merge waits for before_round
+
+Comm side: ``run_round`` (one small all-reduce, then the subclass's exchange and outer step).
+
+The inner optimizer is ``cfg.optimizer`` (AdamW by default) on the whole padded flat buffer: the
+engine gives local-step strategies a full-size ``ctx.shard_state`` (fp32 master and moments),
+whose master is theta_w; the model's parameters are its copy in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from acco_loco.acco import RoundKind, RoundPlan
+from acco_loco.optim import clip_coefficient, propose_step
+from acco_loco.outer import merge_delayed, pseudo_gradient, sample_shares
+from acco_loco.schedule import lr_at
+
+from ..host import nonfinite_flag, to_host
+from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
+from .base import Strategy
+
+
+@dataclass
+class PeriodTotals:
+    """This worker's work since the last outer round was submitted."""
+
+    micro_batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+
+    def as_list(self) -> list:
+        return [self.micro_batches, self.samples, self.loss_sum]
+
+
+@dataclass
+class InnerStep:
+    """What one inner step did, for the history."""
+
+    lr: float
+    grad_norm: float
+    loss: float
+    skipped: bool
+
+
+@dataclass
+class OuterTotals:
+    """What the outer round's small all-reduce tells every rank."""
+
+    count: int  # micro-batches of the period, all workers
+    samples: int
+    loss_sum: float
+    shares: list[float]  # a_w = n_w / sum n: each worker's share of the period's samples
+    exhausted_ranks: list[int]
+    bad_ranks: list[int]  # their pseudo-gradient was not finite
+    done_ranks: list[int]  # they reached their step budget (outer_period_s)
+
+
+class LocalStepStrategy(Strategy):
+    """The skeleton; a subclass names itself and implements ``setup_outer``, ``outer_update``,
+    ``outer_tensors`` and ``load_outer``."""
+
+    name = ""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.plan = RoundPlan(self.name, overlap=cfg.outer_overlap, kinds=(RoundKind.COMMIT,),
+                              local_steps=cfg.inner_steps)
+        self.theta_sync: torch.Tensor | None = None  # fp32, the same on every replica
+        self.submitted: torch.Tensor | None = None  # theta_w when the last round was submitted
+        self.period = PeriodTotals()  # accumulating
+        self.sending = PeriodTotals()  # the round in flight's
+        self.unmerged = False  # overlap: a finished round whose result is not merged yet
+        self.done = False  # this worker reached its step budget (outer_period_s)
+        self.last: OuterTotals | None = None
+        self.period_start = time.perf_counter()
+
+    @classmethod
+    def from_config(cls, cfg) -> "LocalStepStrategy":
+        return cls(cfg)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        wrong = []
+        if cfg.codec != "none":
+            wrong.append("codec='none' (the pseudo-gradient has its own wire format: pseudo_grad_dtype, topk_*)")
+        if cfg.param_codec != "auto":
+            wrong.append("param_codec='auto' (no parameters travel: every replica computes theta_sync)")
+        if cfg.accumulation != "fixed":
+            wrong.append("accumulation='fixed' (an inner step runs a fixed number of micro-batches)")
+        if cfg.balance != "equal":
+            wrong.append("balance='equal' (mixed speeds: outer_period_s)")
+        if wrong:
+            raise ValueError(f"strategy {cfg.strategy!r} cannot honour this configuration: set " + "; ".join(wrong))
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, ctx: RoundContext) -> None:
+        """Allocate the outer state around the start every replica shares (rank 0's parameters)."""
+        world, batch = ctx.comm.world_size, ctx.cfg.global_micro_batches
+        if batch is not None and batch % world:
+            raise ValueError(f"global_micro_batches={batch} is the micro-batches of one inner step over "
+                             f"{world} workers, who all take the same number in {self.name!r}: use a "
+                             f"multiple of {world}")
+        master = ctx.shard_state.master
+        if master.numel() != ctx.flat.padded:
+            raise RuntimeError(f"{self.name} needs the inner optimizer state of the whole buffer "
+                               f"({ctx.flat.padded} values), the engine gave {master.numel()}")
+        self.theta_sync = master.detach().clone()
+        self.submitted = torch.zeros_like(master)
+        self.setup_outer(ctx)
+
+    def setup_outer(self, ctx: RoundContext) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ compute side
+    def inner_step(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int, samples: int,
+                   loss_sum: float, step_index: int) -> InnerStep:
+        """One optimizer step of this worker alone on the mean of its accumulated micro-batch
+        gradients (clipped by its own norm); a non-finite gradient or update leaves the state as
+        it was (nan_policy='skip') or raises ('stop')."""
+        cfg = ctx.cfg
+        lr = lr_at(step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.period.micro_batches += count
+        self.period.samples += samples
+        self.period.loss_sum += loss_sum
+        grad = grad_sum.to(torch.float32) / count
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))  # one host read
+        if not math.isfinite(norm):
+            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite gradient")
+        coef = clip_coefficient(norm, cfg.max_grad_norm)
+        if coef < 1.0:
+            grad.mul_(coef)
+        proposal = propose_step(ctx.shard_state, grad, lr, ctx.spec)
+        if not bool(torch.isfinite(proposal.master).all()):
+            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
+        ctx.shard_state.install(proposal)
+        with torch.no_grad():
+            ctx.flat.data.copy_(proposal.master)
+        return InnerStep(lr, norm, loss_sum / count, False)
+
+    def _skip_inner(self, ctx: RoundContext, step_index: int, lr: float, loss: float, why: str) -> InnerStep:
+        if ctx.cfg.nan_policy == "stop":
+            raise NonFiniteGradientError(
+                f"{why} in inner step {step_index + 1} on rank {ctx.comm.rank}: lower the learning rate, "
+                "clip gradients (max_grad_norm), check the data, or set nan_policy='skip'")
+        return InnerStep(lr, math.nan, loss, True)
+
+    def round_due(self, step: int, stopping: bool) -> bool:
+        """Every H inner steps (counted from the start of the run, so a resumed run keeps the
+        same rounds); with outer_period_s, once the period has elapsed or this worker reached
+        its step budget (checked at inner-step boundaries only)."""
+        if self.cfg.outer_period_s is None:
+            return step % self.plan.local_steps == 0
+        return stopping or time.perf_counter() - self.period_start >= self.cfg.outer_period_s
+
+    def before_round(self, ctx: RoundContext, stopping: bool) -> None:
+        """Overlap: merge the finished round (theta_w += theta_sync - submitted). Then keep
+        theta_w as the round's input, and start a new period."""
+        master = ctx.shard_state.master
+        if self.unmerged:
+            merge_delayed(master, self.theta_sync, self.submitted)
+            with torch.no_grad():
+                ctx.flat.data.copy_(master)
+            self.unmerged = False
+        self.submitted.copy_(master)
+        self.sending, self.period = self.period, PeriodTotals()
+        self.done = stopping and self.cfg.outer_period_s is not None
+        if self.plan.overlap:
+            self.period_start = time.perf_counter()
+
+    def after_round(self, ctx: RoundContext, result: RoundResult) -> bool:
+        """Install the round's theta_sync as theta_w (no overlap) or leave it for the next
+        before_round (overlap); True when every rank must stop (a worker reached its budget)."""
+        if self.plan.overlap:
+            self.unmerged = True
+        else:
+            ctx.shard_state.master.copy_(self.theta_sync)
+            with torch.no_grad():
+                ctx.flat.data.copy_(self.theta_sync)
+            self.period_start = time.perf_counter()
+        return bool(self.last is not None and self.last.done_ranks)
+
+    # ------------------------------------------------------------------ comm side
+    def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        comm, t0 = ctx.comm, time.perf_counter()
+        before = comm.bytes_sent
+        delta = pseudo_gradient(self.theta_sync, self.submitted)
+        totals = self._agree(ctx, req, nonfinite_flag(delta))
+        self.last = totals
+        skipped, reason = bool(totals.bad_ranks), "non-finite pseudo-gradient from"
+        if not skipped and totals.samples > 0 and not self.outer_update(ctx, delta, totals.shares):
+            skipped, reason = True, "non-finite parameters after the outer step; every rank computed it:"
+            if ctx.cfg.nan_policy == "stop":
+                raise NonFiniteGradientError(
+                    f"the outer step of round {req.index} gave non-finite parameters: lower outer_lr, or "
+                    "set nan_policy='skip'")
+        return RoundResult(
+            index=req.index, kind=req.kind, step_index=req.step_index, local_count=self.sending.micro_batches,
+            count=totals.count, samples=totals.samples,
+            loss=totals.loss_sum / totals.count if totals.count else math.nan, lr=ctx.cfg.outer_lr,
+            grad_norm=math.nan, skipped=skipped, empty=totals.samples == 0, bad_ranks=totals.bad_ranks,
+            exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - before,
+            phases={"outer_round": (t0, time.perf_counter())}, skip_reason=reason if skipped else "")
+
+    def _agree(self, ctx: RoundContext, req: RoundRequest, local_bad: torch.Tensor) -> OuterTotals:
+        """One float64 all-reduce of 2 + 4N values: the period's micro-batches and loss sum, and
+        one slot per rank for its samples and its exhausted / non-finite / done flags."""
+        comm, n, rank = ctx.comm, ctx.comm.world_size, ctx.comm.rank
+        small = torch.zeros(2 + 4 * n, dtype=torch.float64, device=local_bad.device)
+        small[0], small[1] = self.sending.micro_batches, self.sending.loss_sum
+        small[2 + rank] = self.sending.samples
+        small[2 + n + rank] = float(req.exhausted)
+        small[2 + 2 * n + rank] = local_bad
+        small[2 + 3 * n + rank] = float(self.done)
+        small = to_host(comm.all_reduce_sum(small))
+        samples = [int(s) for s in small[2:2 + n]]
+        flagged = [[r for r in range(n) if small[2 + k * n + r] > 0] for k in (1, 2, 3)]
+        if flagged[1] and ctx.cfg.nan_policy == "stop":
+            raise NonFiniteGradientError(f"non-finite pseudo-gradient in outer round {req.index} from rank(s) "
+                                         f"{flagged[1]}: lower the learning rates, or set nan_policy='skip'")
+        return OuterTotals(int(small[0]), sum(samples), float(small[1]), sample_shares(samples), *flagged)
+
+    def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+        """Exchange this worker's contribution and move theta_sync in place; False (nothing
+        installed) when the new theta_sync would not be finite."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {"outer.theta_sync": self.theta_sync.detach().cpu().contiguous()}
+        if self.plan.overlap:
+            tensors["outer.submitted"] = self.submitted.detach().cpu().contiguous()
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in self.outer_tensors().items()})
+        meta = {"outer": {"strategy": self.name, "overlap": self.plan.overlap, "unmerged": self.unmerged,
+                          "period": self.period.as_list(), **self.outer_meta()}}
+        return tensors, meta
+
+    def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        saved = meta.get("outer", {})
+        if saved.get("overlap") != self.plan.overlap:
+            raise ValueError(f"the checkpoint was written with outer_overlap={saved.get('overlap')} and this "
+                             f"run has outer_overlap={self.plan.overlap}: resume with the checkpoint's value")
+        self.theta_sync.copy_(tensors["outer.theta_sync"])
+        if self.plan.overlap:
+            self.submitted.copy_(tensors["outer.submitted"])
+        self.unmerged = saved["unmerged"]
+        self.period = PeriodTotals(*saved["period"])
+        self.load_outer(tensors, saved)
+        with torch.no_grad():
+            ctx.flat.data.copy_(ctx.shard_state.master)  # this rank's own theta_w (replicas differ)
+        self.period_start = time.perf_counter()
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def outer_meta(self) -> dict:
+        return {}
+
+    def load_outer(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        pass

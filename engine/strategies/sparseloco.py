@@ -1,0 +1,73 @@
+"""sparseloco: diloco's inner steps, with the outer momentum replaced by error feedback and the
+pseudo-gradient sent as a chunked top-k of 2-bit values (Sarfi et al., "Communication Efficient
+LLM Pre-training with SparseLoCo", arXiv 2508.15706). docs/DESIGN.md section 8.
+
+One outer round, for worker w with theta_w after its inner steps and n_w samples in the period:
+
+    Delta_w    = theta_sync - theta_w                              (fp32)
+    e_w        = beta e_w + Delta_w                                (sparse_error_beta, 0.95)
+    p_w        = C(e_w);   e_w = e_w - deQ(p_w)                    (acco_loco/topk_codec.py)
+    all-gather the payloads p_w (each the same size)
+    Delta      = sum_w a_w deQ(p_w)                                (sparse_aggregate='mean')
+              or per value: sum_w a_w deQ(p_w) / sum_{w that sent it} a_w   ('contributors')
+    theta_sync = theta_sync - outer_lr Delta
+    theta_w    = theta_sync                                        (no overlap)
+
+with a_w = n_w / sum_v n_v (1/R when all ran as many: the paper's sum / R). 'contributors' is
+what the public templar code does (a per-coordinate mean over the peers that sent a value, via
+scatter_reduce 'mean'; it also clips each peer's contribution to the median norm, which we do
+not). Per worker and round, with L = TopKCodec.payload_bytes(P):
+
+    bytes = (N - 1) L + 2 (N - 1) (2 + 4 N) 8 / N
+
+The overlapped variant merges one round later, exactly as in diloco.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from acco_loco.outer import accumulate_error, sparse_outer_step
+from acco_loco.registry import PSEUDO_GRAD_CODECS
+from acco_loco.topk_codec import TopKCodec, aggregate
+
+from ..rounds import RoundContext
+from .local_steps import LocalStepStrategy
+
+
+def make_codec(cfg) -> TopKCodec:
+    return PSEUDO_GRAD_CODECS["topk"](cfg.topk_chunk, cfg.topk_density, cfg.topk_value_bits)
+
+
+class SparseLoCo(LocalStepStrategy):
+    name = "sparseloco"
+
+    def setup_outer(self, ctx: RoundContext) -> None:
+        self.error = torch.zeros_like(self.theta_sync)
+        self.codec = make_codec(ctx.cfg)
+
+    def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+        cfg, comm, numel = ctx.cfg, ctx.comm, delta.numel()
+        accumulate_error(self.error, delta, cfg.sparse_error_beta)
+        payload, sent = self.codec.encode_with_decoded(self.error)
+        self.error.sub_(sent)  # what was not sent stays for later rounds
+        gathered = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        comm.all_gather(payload, gathered)
+        combined = aggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel, cfg.sparse_aggregate)
+        new = sparse_outer_step(self.theta_sync, combined, cfg.outer_lr)
+        if not bool(torch.isfinite(new).all()):  # the same verdict on every replica
+            return False
+        self.theta_sync.copy_(new)
+        return True
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {"outer.error": self.error}
+
+    def load_outer(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.error.copy_(tensors["outer.error"])
+
+
+def round_bytes(cfg, padded: int, world: int) -> int:
+    """What one worker sends in one sparseloco round (Comm's count): its payload to each of the
+    N - 1 others, and the small all-reduce of 2 + 4N float64 values."""
+    return (world - 1) * make_codec(cfg).payload_bytes(padded) + 2 * (world - 1) * (2 + 4 * world) * 8 // world
