@@ -122,6 +122,7 @@ class LocalStepStrategy(Strategy):
         self.theta_sync = master.detach().clone()
         self.submitted = torch.zeros_like(master)
         self.setup_outer(ctx)
+        self.period_start = time.perf_counter()
 
     def setup_outer(self, ctx: RoundContext) -> None:
         raise NotImplementedError
