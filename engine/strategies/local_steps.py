@@ -98,8 +98,9 @@ class LocalStepStrategy(Strategy):
         wrong = []
         if cfg.codec != "none":
             wrong.append("codec='none' (the pseudo-gradient has its own wire format: pseudo_grad_dtype, topk_*)")
-        if cfg.param_codec != "auto":
-            wrong.append("param_codec='auto' (no parameters travel: every replica computes theta_sync)")
+        if cfg.param_codec not in ("auto", "float32"):
+            wrong.append("param_codec='auto' or 'float32' (no parameters travel: every replica computes "
+                         "theta_sync)")
         if cfg.accumulation != "fixed":
             wrong.append("accumulation='fixed' (an inner step runs a fixed number of micro-batches)")
         if cfg.balance != "equal":
