@@ -1,17 +1,33 @@
-"""The one table of training modes: a name -> how to train it.
+"""The one table of training modes (a name -> how to train it) and the benchmark's two protocols.
 
-Used by the benchmark (``recipes/benchmark.py``, ``benchmarks/worker.py``), by
-``benchmarks/loco_quality.py`` and by ``tests/engine/test_loco_engine.py``; each picks the modes it runs
-from here by name. A mode is either
+Used by the benchmark (``recipes/benchmark.py``, ``benchmarks/runner.py``, ``worker.py``,
+``report.py``), by ``benchmarks/loco_quality.py`` and by ``tests/engine/test_loco_engine.py``;
+each picks the modes it runs from here by name. A mode is either
 
 * an engine mode: flat :class:`engine.EngineConfig` keyword arguments (``strategy``, ``codec``,
   ``param_codec`` and any further fields in ``extra``), see :meth:`Mode.engine_kwargs`; or
 * a torch DDP variant: torch's own DistributedDataParallel + torch.optim.AdamW, with ``no_sync``
-  accumulation of ``accumulation`` micro-batches and, optionally, the PowerSGD comm hook of
-  matrix rank ``powersgd_rank`` (error feedback on).
+  accumulation of ``accumulation`` micro-batches (None: the protocol's, see below) and,
+  optionally, the PowerSGD comm hook of matrix rank ``powersgd_rank`` (error feedback on).
 
 The uncompressed engine modes send fp32 parameters (``param_codec="float32"``): every user of
 this table trains in float32, where that is also what ``"auto"`` picks.
+
+The benchmark's protocols (``recipes/benchmark.py --protocol``):
+
+* ``matched`` (the headline): every mode trains at the same global batch of B samples per
+  optimizer step (:func:`matched_batch`): torch DDP at ``--micro-batch`` m with accumulation
+  B / (m x workers); an engine mode with ``accumulation="fixed"`` and ``global_micro_batches =
+  B / m_e``, where its micro-batch m_e is the largest divisor of m that gives every worker the
+  same whole number (at least one) of micro-batches in every round of a step (ACCO splits a
+  step over 2 rounds: B = 16 on 2 workers at m = 8 gives m_e = 4, 2 rounds x 2 workers x 4).
+  Each worker then reads exactly the windows DDP's worker reads for each step, in the same
+  order. Every mode follows one lr schedule (:func:`matched_schedule`: linear warmup over the
+  first 5% of the steps, then cosine to 10% of the peak), computed by the engine's own
+  :func:`acco_loco.schedule.lr_at`. The target is ``torch-ddp``'s final held-out loss.
+* ``free``: each engine mode at the batch it likes (``accumulation="grow"``: a round keeps
+  accumulating while the previous one is on the wire, capped per round), DDP at its fixed
+  accumulation, constant lr; the target is ``torch-ddp-acc1``'s final held-out loss.
 """
 
 from __future__ import annotations
@@ -19,10 +35,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from acco_loco.schedule import lr_at
+
+PROTOCOLS = ("matched", "free")
+
 
 @dataclass(frozen=True)
 class DdpVariant:
-    accumulation: int  # micro-batches per step, all but the last under no_sync
+    # micro-batches per worker and step, all but the last under no_sync; None: the protocol's
+    # (B / (micro-batch x workers) under matched batch, 1 under free batch)
+    accumulation: int | None = None
     powersgd_rank: int | None = None  # PowerSGD's matrix rank; None: DDP's plain all-reduce
 
 
@@ -39,6 +61,14 @@ class Mode:
         """``"torch-ddp"`` or ``"engine"`` (the benchmark JSON's ``kind`` field)."""
         return "torch-ddp" if self.ddp is not None else "engine"
 
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """The protocols this mode can run under: a DDP variant with its own accumulation and an
+        engine mode that grows its batch choose their batch themselves (free batch only)."""
+        fixed_ddp = self.ddp is not None and self.ddp.accumulation is not None
+        grows = self.extra.get("accumulation") == "grow"
+        return ("free",) if fixed_ddp or grows else PROTOCOLS
+
     def engine_kwargs(self) -> dict[str, Any]:
         """The flat EngineConfig keyword arguments of an engine mode."""
         if self.ddp is not None:
@@ -51,19 +81,21 @@ def _engine(strategy: str, codec: str = "none", param_codec: str = "float32", **
     return Mode(strategy, codec, param_codec, extra)
 
 
-def _ddp(accumulation: int, powersgd_rank: int | None = None) -> Mode:
+def _ddp(accumulation: int | None = None, powersgd_rank: int | None = None) -> Mode:
     return Mode(ddp=DdpVariant(accumulation, powersgd_rank))
 
 
 _ACCO_LOCO4_INT8 = _engine("acco", "loco4", "int8")
 
 MODES: dict[str, Mode] = {
-    # torch's DistributedDataParallel (the benchmark's baselines)
+    # torch's DistributedDataParallel (the benchmark's baselines); torch-ddp and PowerSGD take
+    # the protocol's accumulation (from --global-batch under matched batch, 1 under free batch)
+    "torch-ddp": _ddp(),
     "torch-ddp-acc1": _ddp(1),
     "torch-ddp-acc4": _ddp(4),
     "torch-ddp-acc12": _ddp(12),
-    "torch-ddp+powersgd1": _ddp(1, powersgd_rank=1),
-    "torch-ddp+powersgd4": _ddp(1, powersgd_rank=4),
+    "torch-ddp+powersgd1": _ddp(powersgd_rank=1),
+    "torch-ddp+powersgd4": _ddp(powersgd_rank=4),
     # this engine, uncompressed
     "zero1": _engine("zero1"),
     "dpu": _engine("dpu"),
@@ -72,9 +104,10 @@ MODES: dict[str, Mode] = {
     "acco+loco4": _ACCO_LOCO4_INT8,
     "acco+loco4+int8": _ACCO_LOCO4_INT8,  # the same mode under loco_quality's name
     "acco+loco4+int4params": _engine("acco", "loco4", "int4"),
-    # the shortest rounds: one micro-batch per round and worker, whatever the round costs (the
-    # smallest ACCO batch, 2 x workers micro-batches per step; the comm side's CPU is not amortized)
-    "acco+loco4+int4params+cap1": _engine("acco", "loco4", "int4", max_micro_batches=1,
+    # free batch only: the shortest growing rounds, one micro-batch per round and worker whatever
+    # the round costs (the smallest ACCO batch, 2 x workers micro-batches per step; the comm
+    # side's CPU is not amortized)
+    "acco+loco4+int4params+cap1": _engine("acco", "loco4", "int4", accumulation="grow", max_micro_batches=1,
                                           max_round_overhead=0.0),
     # plain 4-bit gradients (no error compensation), other gradient codecs
     "acco+int4": _engine("acco", "int4"),
@@ -82,15 +115,24 @@ MODES: dict[str, Mode] = {
     "dpu+ef8+bf16": _engine("dpu", "ef8", "bfloat16"),
 }
 
-# recipes/benchmark.py: every mode it can run, in its table's order (the default --modes) ...
-BENCHMARK_MODES = ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
+# recipes/benchmark.py: every mode it can run, in its table's order ...
+BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
                    "acco+loco4+int4params+cap1")
-# ... its default with --hetero ...
-HETERO_MODES = ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
-                "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4", "acco+loco4+int4params")
-# ... and the mode whose final held-out loss is the target and whose figures the ratios divide by
-REFERENCE = "torch-ddp-acc1"
+# ... its default --modes per protocol, without and with --hetero ...
+DEFAULT_MODES = {
+    ("matched", False): ("torch-ddp", "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4",
+                         "acco+loco4+int4params"),
+    ("matched", True): ("torch-ddp", "zero1", "acco", "acco+loco4+int4params"),
+    ("free", False): ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
+                      "torch-ddp+powersgd4", "zero1", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
+                      "acco+loco4+int4params+cap1"),
+    ("free", True): ("torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
+                     "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4", "acco+loco4+int4params"),
+}
+# ... and per protocol the mode whose final held-out loss is the target and whose figures the
+# ratios divide by
+REFERENCES = {"matched": "torch-ddp", "free": "torch-ddp-acc1"}
 
 # benchmarks/loco_quality.py: the modes it can run
 QUALITY_MODES = ("zero1", "acco", "acco+loco4+int8", "acco+int4+int8")
@@ -99,3 +141,121 @@ QUALITY_MODES = ("zero1", "acco", "acco+loco4+int8", "acco+int4+int8")
 def engine_modes(names) -> dict[str, dict[str, Any]]:
     """name -> EngineConfig keyword arguments, for engine modes picked from the table by name."""
     return {n: MODES[n].engine_kwargs() for n in names}
+
+
+# ------------------------------------------------------------------ the batch of each mode
+class BatchError(ValueError):
+    """A global batch that a mode cannot train at (the message says why and what works)."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one mode takes its samples per optimizer step."""
+
+    micro_batch: int  # sequences per micro-batch this mode reads
+    samples_per_step: int | None  # the global batch; None: it grows (free batch)
+    accumulation: int | None = None  # torch DDP: micro-batches per worker and step
+    global_micro_batches: int | None = None  # engine, matched: micro-batches per step, all workers and rounds
+    rounds_per_step: int = 1  # engine: rounds per optimizer step (acco: 2)
+    workers: int = 1
+
+    @property
+    def per_worker_round(self) -> int | None:
+        """Micro-batches each worker runs in each round (matched engine modes)."""
+        if self.global_micro_batches is None:
+            return None
+        return self.global_micro_batches // (self.rounds_per_step * self.workers)
+
+    def describe(self) -> str:
+        """One cell of the table: micro-batch and how many make a step."""
+        if self.accumulation is not None:
+            return f"{self.micro_batch} x acc {self.accumulation}"
+        if self.global_micro_batches is not None:
+            rounds = f" ({self.rounds_per_step} rounds)" if self.rounds_per_step > 1 else ""
+            return f"{self.micro_batch} x {self.global_micro_batches}/step{rounds}"
+        return f"{self.micro_batch} x grow"
+
+
+def _rounds_per_step(strategy: str) -> int:
+    from acco_loco.acco import plan_for  # imports torch: only when a batch is planned
+
+    return plan_for(strategy).rounds_per_step
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def matched_batch(name: str, global_batch: int, workers: int, micro_batch: int) -> BatchPlan:
+    """How mode ``name`` trains at ``global_batch`` samples per optimizer step on ``workers``
+    workers, DDP at ``micro_batch`` (see the module docstring); BatchError if it cannot."""
+    mode = MODES[name]
+    if "matched" not in mode.protocols:
+        raise BatchError(f"{name} chooses its own batch (free-batch protocol only): leave it out of a "
+                         f"matched-batch run, or use --protocol free")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise BatchError(f"the global batch must be a positive number of samples, got {global_batch!r}")
+    if mode.ddp is not None:
+        per_acc = workers * micro_batch
+        if global_batch % per_acc:
+            ok = ", ".join(str(per_acc * k) for k in (1, 2, 4))
+            raise BatchError(f"--global-batch {global_batch}: {name} runs {workers} workers at micro-batch "
+                             f"{micro_batch}, so its global batch is accumulation x {per_acc} samples; "
+                             f"choose a multiple of {per_acc} ({ok}, ...) or change --micro-batch")
+        return BatchPlan(micro_batch, global_batch, accumulation=global_batch // per_acc, workers=workers)
+    rounds = _rounds_per_step(mode.strategy)
+    for m in _divisors_desc(micro_batch):
+        if global_batch % m == 0 and (global_batch // m) % (rounds * workers) == 0:
+            return BatchPlan(m, global_batch, global_micro_batches=global_batch // m, rounds_per_step=rounds,
+                             workers=workers)
+    split = f"{rounds} rounds per step x " if rounds > 1 else ""
+    raise BatchError(f"--global-batch {global_batch}: {name} splits each step over {split}{workers} workers "
+                     f"and every worker runs the same whole number of micro-batches (of a divisor of "
+                     f"--micro-batch {micro_batch}) in every round, so the global batch must be a multiple "
+                     f"of {rounds * workers}")
+
+
+def free_batch(name: str, workers: int, micro_batch: int) -> BatchPlan:
+    """How mode ``name`` takes its batch under the free protocol: DDP at its accumulation (1 when
+    the mode leaves it to the protocol), engine modes grow theirs at ``micro_batch``."""
+    mode = MODES[name]
+    if mode.ddp is not None:
+        acc = mode.ddp.accumulation or 1
+        return BatchPlan(micro_batch, acc * workers * micro_batch, accumulation=acc, workers=workers)
+    return BatchPlan(micro_batch, None, rounds_per_step=_rounds_per_step(mode.strategy), workers=workers)
+
+
+# ------------------------------------------------------------------ the lr schedule
+WARMUP_FRACTION = 0.05  # matched batch: linear warmup over the first 5% of the steps ...
+MIN_LR_RATIO = 0.1  # ... then cosine down to 10% of the peak lr at the last step
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """One lr schedule for every mode: the engine runs it from its config (``engine_kwargs``),
+    torch DDP through a torch.optim.lr_scheduler that asks :meth:`at` (benchmarks/worker.py);
+    both end in :func:`acco_loco.schedule.lr_at`, so they follow the same numbers."""
+
+    lr: float  # the peak lr
+    total_steps: int  # the horizon: optimizer steps of the run
+    warmup_steps: int = 0
+    kind: str = "constant"  # acco_loco.schedule.SCHEDULES
+    min_lr_ratio: float = 0.0
+
+    def at(self, step: int) -> float:
+        """The lr of optimizer step ``step`` (0-based)."""
+        return lr_at(step, self.lr, self.kind, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The EngineConfig fields that make the engine follow this schedule."""
+        return {"lr": self.lr, "lr_schedule": self.kind, "warmup_steps": self.warmup_steps,
+                "min_lr_ratio": self.min_lr_ratio, "max_steps": self.total_steps}
+
+
+def matched_schedule(lr: float, steps: int) -> LrSchedule:
+    """The matched-batch schedule over ``steps`` optimizer steps: warmup over 5% of them (at
+    least one), then cosine to 10% of ``lr``."""
+    if steps < 1:
+        raise ValueError(f"the schedule needs at least one step, got {steps}")
+    return LrSchedule(lr, steps, warmup_steps=max(1, round(WARMUP_FRACTION * steps)), kind="cosine",
+                      min_lr_ratio=MIN_LR_RATIO)

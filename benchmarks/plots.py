@@ -1,5 +1,6 @@
 """The benchmark's plots (matplotlib, imported when a plot is asked for): held-out loss against
-wall time and samples per mode, and the compute and comm phases of a few steps per worker."""
+wall time and samples per mode (titled with the protocol and its global batch), and the compute
+and comm phases of a few steps per worker."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def plot_loss(rows: list[dict], path: str) -> None:
     ax_t.legend(fontsize=7)
     ax_t.set_title("held-out loss against wall time")
     ax_s.set_title("held-out loss against samples")
+    first = rows[0] if rows else {}
+    if first.get("protocol") == "matched":
+        fig.suptitle(f"matched batch: {first.get('global_batch')} samples per optimizer step for every mode, "
+                     f"{first.get('workers')} workers, {first.get('rate')}", fontsize=10)
+    elif first.get("rate"):
+        fig.suptitle(f"free batch (each mode at the batch it likes), {first.get('workers')} workers, "
+                     f"{first.get('rate')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

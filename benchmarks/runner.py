@@ -1,6 +1,7 @@
-"""The benchmark's orchestration: which runs (seed, lr, mode), one worker process per testbed
-namespace for each (``benchmarks/worker.py``), their outputs summarized into one record per run,
-and the JSON rewritten after every run.
+"""The benchmark's orchestration: which runs (seed, lr, mode), what each worker is told (its
+batch, micro-batch and lr schedule under the protocol: :func:`train_spec`), one worker process
+per testbed namespace for each run (``benchmarks/worker.py``), their outputs summarized into one
+record per run, and the JSON rewritten after every run.
 
 Wall time starts after a barrier once every worker has built its model and connected (start-up
 is reported separately) and excludes evaluation: parameters are copied at the eval points and
@@ -9,6 +10,7 @@ evaluated after training.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.modes import matched_schedule
 from benchmarks.report import aggregate, fmt
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
@@ -61,13 +64,38 @@ class RunFailed(RuntimeError):
     pass
 
 
-def base_spec(args, seed: int) -> dict:
+def base_spec(args, seed: int, micro_batch: int) -> dict:
     return {
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
-        "micro_batch": args.micro_batch, "seed": seed, "heldout": args.heldout,
+        "micro_batch": micro_batch, "seed": seed, "heldout": args.heldout,
         "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
-        "max_round_overhead": args.max_round_overhead,
     }
+
+
+def train_spec(args, mode: str, lr: float, seed: int) -> dict:
+    """What every worker of one training run is told: the workload, the mode's batch under the
+    protocol (micro-batch; DDP accumulation; engine global micro-batches, or the free protocol's
+    grow settings), the lr schedule (matched batch: the shared warmup + cosine over the budget's
+    steps; free: constant), the budget and the eval points."""
+    plan = args.batch_plans[mode]
+    spec = {**base_spec(args, seed, plan.micro_batch), "role": "train", "mode": mode, "lr": lr,
+            "protocol": args.protocol, "samples": args.samples, "eval_points": eval_points(args),
+            "comm_chunks": args.comm_chunks, "group_size": args.group_size,
+            "accumulation": plan.accumulation, "global_micro_batches": plan.global_micro_batches,
+            "lr_schedule": None}
+    if args.protocol == "matched":
+        spec["lr_schedule"] = dataclasses.asdict(matched_schedule(lr, args.steps))
+        spec["balance"] = args.balance
+        spec["global_batch"] = args.global_batch
+    else:
+        spec["max_micro_batches"] = args.max_micro_batches
+        spec["max_round_overhead"] = args.max_round_overhead
+    return spec
+
+
+def micro_batches_in_use(args) -> list[int]:
+    """The micro-batch sizes of the modes to run (each gets its own compute-only measurement)."""
+    return sorted({p.micro_batch for p in args.batch_plans.values()}, reverse=True)
 
 
 def worker_env(args, port: int | None) -> dict[str, str]:
@@ -136,22 +164,29 @@ def launch(tb, args, spec: dict, name: str, workdir: str, port: int | None) -> l
     return results
 
 
-def compute_only(tb, args, workdir: str, tag: str) -> float:
-    """samples/s of the same workers doing fwd+bwd with no communication (world size 1 each)."""
-    spec = {**base_spec(args, 0), "role": "compute", "compute_micro_batches": args.compute_micro_batches}
-    res = launch(tb, args, spec, f"compute-{tag}", workdir, None)
-    rate = sum(args.micro_batch / statistics.median(r["micro_batch_s"]) for r in res)
-    log(f"compute-only ({tag}): {rate:.2f} samples/s; micro-batch s per rank: "
+def compute_only(tb, args, workdir: str, tag: str, micro_batch: int) -> dict:
+    """samples/s of the same workers doing fwd+bwd of ``micro_batch`` sequences with no
+    communication (world size 1 each): {"tag", "micro_batch", "samples_per_s"}."""
+    spec = {**base_spec(args, 0, micro_batch), "role": "compute",
+            "compute_micro_batches": args.compute_micro_batches}
+    res = launch(tb, args, spec, f"compute-{tag}-mb{micro_batch}", workdir, None)
+    rate = sum(micro_batch / statistics.median(r["micro_batch_s"]) for r in res)
+    log(f"compute-only ({tag}, micro-batch {micro_batch}): {rate:.2f} samples/s; micro-batch s per rank: "
         + ", ".join(f"{statistics.median(r['micro_batch_s']):.3f}" for r in res))
-    return rate
+    return {"tag": tag, "micro_batch": micro_batch, "samples_per_s": rate}
 
 
 def eval_points(args) -> list[int]:
+    """Global samples at which the parameters are snapshotted; matched batch: whole steps, the
+    same for every mode."""
     n = args.eval_points
+    if args.protocol == "matched":
+        b = args.global_batch
+        return sorted({b * max(1, round(args.steps * (i + 1) / n)) for i in range(n)})
     return sorted({max(1, round(args.samples * (i + 1) / n)) for i in range(n)})
 
 
-def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
+def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict | None = None) -> dict:
     r0 = res[0]
     hist = r0["history"]
     world = len(res)
@@ -164,8 +199,13 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
     ratios = [r["tx_bytes"] / r["accounted_bytes"] if r.get("tx_bytes") and r["accounted_bytes"] else None
               for r in res]
     steps = len(hist)
+    spec = spec or {}
     return {
         "mode": mode, "lr": lr, "seed": seed, "steps": steps, "samples": samples, "train_s": train_s,
+        **{k: spec.get(k) for k in ("protocol", "global_batch", "micro_batch", "accumulation",
+                                    "global_micro_batches", "lr_schedule")},
+        "samples_per_step_median": statistics.median(h["samples"] for h in hist) if hist else None,
+        "samples_per_step_mean": samples / steps if steps else None,
         "startup_s": max(r["startup_s"] for r in res),
         "step_time_median_s": statistics.median(h["time_s"] for h in hist) if hist else None,
         "samples_per_s": samples / train_s if train_s else None,
@@ -182,8 +222,8 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict]) -> dict:
         "micro_batches_per_rank": [sum(h["micro_batches"] for h in r["history"]) for r in res],
         "evals": evals,
         "final_loss": evals[-1]["loss"] if evals else None,
-        "history": [{k: h[k] for k in ("step", "loss", "samples", "global_micro_batches", "wire_bytes", "time_s")}
-                    for h in hist],
+        "history": [{k: h.get(k) for k in ("step", "loss", "lr", "samples", "global_micro_batches", "wire_bytes",
+                                           "time_s")} for h in hist],
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
         **phase_summary(res),
     }
@@ -214,13 +254,10 @@ def shift_timeline(r: dict, r0: dict) -> list:
 def train_run(tb, args, workdir: str, mode: str, lr: float, seed: int, port: int) -> dict:
     """One training run of ``mode`` on every worker; its summary (RunFailed if a worker failed)."""
     name = f"{mode}-lr{lr:g}-s{seed}".replace("+", "_")
-    spec = {**base_spec(args, seed), "role": "train", "mode": mode, "lr": lr,
-            "samples": args.samples, "eval_points": eval_points(args),
-            "max_micro_batches": args.max_micro_batches, "comm_chunks": args.comm_chunks,
-            "group_size": args.group_size}
+    spec = train_spec(args, mode, lr, seed)
     t = time.monotonic()
     res = launch(tb, args, spec, name, workdir, port)
-    run = summarize_run(mode, lr, seed, res)
+    run = summarize_run(mode, lr, seed, res, spec)
     log(f"{name}: {run['steps']} steps, {run['samples']} samples in {run['train_s']:.1f} s "
         f"({run['samples_per_s']:.2f}/s, start-up {run['startup_s']:.1f} s), held-out "
         f"{fmt(run['final_loss'], '.3f')}, tx/mode {run['tx_over_engine_per_rank']}, "
@@ -228,17 +265,19 @@ def train_run(tb, args, workdir: str, mode: str, lr: float, seed: int, port: int
     return run
 
 
-def run_all(args, workdir: str, runs: list[dict], compute_rates: list[float]) -> list[str]:
+def run_all(args, workdir: str, runs: list[dict], compute_rates: list[dict]) -> list[str]:
     """Every run of the benchmark in one testbed (built here, torn down on the way out), seed by
-    seed, each seed after a compute-only measurement. Appends to ``runs`` and ``compute_rates``
-    as they finish and rewrites the JSON after every run; returns the failed runs' reports."""
+    seed, each seed after a compute-only measurement at every micro-batch size in use. Appends to
+    ``runs`` and ``compute_rates`` as they finish and rewrites the JSON after every run; returns
+    the failed runs' reports."""
     from benchmarks.testbed import LinkSpec, Testbed
 
     failures: list[str] = []
     port = 29500
     with Testbed(workers=args.workers, link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            compute_rates.append(compute_only(tb, args, workdir, f"s{seed}"))
+            for mb in micro_batches_in_use(args):
+                compute_rates.append(compute_only(tb, args, workdir, f"s{seed}", mb))
             for lr, mode in runs_for_seed(args, seed, runs):
                 port += 1
                 try:
@@ -250,16 +289,26 @@ def run_all(args, workdir: str, runs: list[dict], compute_rates: list[float]) ->
                 runs.append(run)
                 write_outputs(args, runs, compute_rates, final=False)
         if not args.no_compute_at_end:
-            compute_rates.append(compute_only(tb, args, workdir, "end"))
+            for mb in micro_batches_in_use(args):
+                compute_rates.append(compute_only(tb, args, workdir, "end", mb))
     return failures
+
+
+def config_json(args) -> dict:
+    """The parsed arguments as JSON (each mode's batch plan as a dict)."""
+    out = {k: v for k, v in vars(args).items() if k != "batch_plans"}
+    out["batch_plans"] = {m: dataclasses.asdict(p) for m, p in getattr(args, "batch_plans", {}).items()}
+    return out
 
 
 def write_outputs(args, runs, compute_rates, final: bool) -> list[dict]:
     rows = aggregate(args, runs, compute_rates)
     if args.json:
+        legacy = [c["samples_per_s"] for c in compute_rates if isinstance(c, dict)
+                  and c["micro_batch"] == args.micro_batch]  # the format's older field: DDP's micro-batch
         doc = {"command": " ".join(shlex.quote(a) for a in sys.argv), "complete": final,
-               "config": {k: v for k, v in vars(args).items()}, "compute_only_samples_per_s": compute_rates,
-               "load_average": os.getloadavg(), "modes": rows}
+               "config": config_json(args), "compute_only": compute_rates,
+               "compute_only_samples_per_s": legacy, "load_average": os.getloadavg(), "modes": rows}
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
@@ -267,13 +316,17 @@ def write_outputs(args, runs, compute_rates, final: bool) -> list[dict]:
     return rows
 
 
-def load_runs(path: str) -> tuple[list[dict], list[float]]:
-    """The per-run summaries and compute-only rates of an earlier --json (no timelines)."""
+def load_runs(path: str) -> tuple[list[dict], list[dict]]:
+    """The per-run summaries and compute-only rates of an earlier --json (no timelines); the
+    rates of a JSON from before per-micro-batch measurements count at its --micro-batch."""
     with open(path) as f:
         doc = json.load(f)
     runs = [r for o in doc["modes"] for r in o["runs"]]
     for r in runs:
         r.setdefault("timeline", [])
         r.setdefault("history", [])
-    return runs, list(doc["compute_only_samples_per_s"])
+    if "compute_only" in doc:
+        return runs, list(doc["compute_only"])
+    mb = doc.get("config", {}).get("micro_batch")
+    return runs, [{"tag": "merged", "micro_batch": mb, "samples_per_s": x} for x in doc["compute_only_samples_per_s"]]
 

@@ -4,8 +4,9 @@ Started by the benchmark (``benchmarks/runner.py``) inside a testbed namespace (
 
     python benchmarks/worker.py SPEC.json OUT.json
 
-SPEC holds the run (role, mode, model shape, data seed, learning rate, sample budget, eval
-points); RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment. OUT receives one
+SPEC holds the run (role, mode, model shape, data seed, learning rate and its schedule, the
+mode's batch under the protocol, sample budget, eval points: ``benchmarks/runner.py``
+``train_spec``); RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment. OUT receives one
 JSON object: per-step history, eval snapshots' held-out losses (this rank evaluates snapshots
 ``i % world == rank``), the wire bytes the mode accounts for and the tx_bytes of this worker's
 interface over the same window, and the timeline (times relative to this worker's start ``t0``,
@@ -13,7 +14,10 @@ with ``t0_abs`` = time.perf_counter() there; perf_counter is CLOCK_MONOTONIC, sh
 processes of one machine, so the parent can align ranks).
 
 Roles:
-* ``train``: one of the modes of ``benchmarks/modes.py`` (torch DDP peers or this engine);
+* ``train``: one of the modes of ``benchmarks/modes.py`` (torch DDP peers or this engine), under
+  the matched-batch protocol (DDP at ``accumulation``, the engine at ``global_micro_batches``
+  with ``accumulation="fixed"``, both on the spec's ``lr_schedule``) or the free one (the engine
+  grows its batch, constant lr);
 * ``compute``: the same fwd+bwd work at world size 1 with no communication (the ceiling).
 
 Every worker uses one thread (``torch.set_num_threads(1)``): the benchmark pins one worker per
@@ -33,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.modes import BENCHMARK_MODES, MODES  # noqa: E402
+from benchmarks.modes import BENCHMARK_MODES, MODES, LrSchedule  # noqa: E402
 
 
 def tx_bytes() -> int | None:
@@ -161,6 +165,23 @@ def wrap_ddp(model: torch.nn.Module, spec: dict, world: int, psgd_rank: int | No
     return ddp, hook_bytes
 
 
+class SharedLR(torch.optim.lr_scheduler.LRScheduler):
+    """torch DDP's lr scheduler: every param group's lr is ``schedule.at(step)``, the very number
+    the engine's ``lr_at`` gives its step (no base lr times a factor, which could round apart)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LrSchedule):
+        self.schedule = schedule
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [self.schedule.at(self.last_epoch) for _ in self.optimizer.param_groups]
+
+
+def spec_schedule(spec: dict) -> LrSchedule | None:
+    """The run's lr schedule (matched batch), or None (a constant lr: the free protocol)."""
+    return LrSchedule(**spec["lr_schedule"]) if spec.get("lr_schedule") else None
+
+
 def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: int, timeline: list) -> float:
     """One DDP step's forward+backward passes (no_sync for all but the last); their summed loss."""
     loss_sum = 0.0
@@ -175,7 +196,7 @@ def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: in
             with ddp.no_sync():
                 loss = loss_fn(ddp, batch) / acc
                 loss.backward()
-        loss_sum += float(loss) * acc
+        loss_sum += float(loss.detach()) * acc
         timeline.append(("compute+allreduce" if sync else "compute", rank, t - t0,
                          time.perf_counter() - t0, step))
     return loss_sum
@@ -184,8 +205,7 @@ def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: in
 def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from lm.data import hf_lm_loss
 
-    variant = MODES[spec["mode"]].ddp
-    acc, psgd_rank = variant.accumulation, variant.powersgd_rank
+    acc, psgd_rank = spec["accumulation"], MODES[spec["mode"]].ddp.powersgd_rank
     tok, stream, held = build_data(spec, rank, world)
     model = build_model(spec, len(tok))
     ddp, hook_bytes = wrap_ddp(model, spec, world, psgd_rank)
@@ -195,6 +215,8 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     per_sync = 2 * (world - 1) * bucket_bytes // world
     opt = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.0)
+    schedule = spec_schedule(spec)
+    sched = SharedLR(opt, schedule) if schedule is not None else None
     per_step_samples = world * acc * spec["micro_batch"]
     steps = math.ceil(spec["samples"] / per_step_samples)
 
@@ -209,14 +231,17 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     for step in range(1, steps + 1):
         loss_sum = ddp_micro_batches(ddp, hf_lm_loss, it, acc, rank, t0, step, timeline)
         t = time.perf_counter()
-        if spec["max_grad_norm"]:
+        if spec["max_grad_norm"]:  # the gradients are the workers' average here
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), spec["max_grad_norm"])
+        lr = opt.param_groups[0]["lr"]
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=False)
         now = time.perf_counter()
         timeline.append(("optimizer", rank, t - t0, now - t0, step))
         samples += per_step_samples
-        history.append({"step": step, "loss": loss_sum / acc, "samples": per_step_samples,
+        history.append({"step": step, "loss": loss_sum / acc, "lr": lr, "samples": per_step_samples,
                         "micro_batches": acc, "global_micro_batches": world * acc,
                         "wire_bytes": per_sync if psgd_rank is None else None, "time_s": now - t_step})
         t_step = now
@@ -238,17 +263,26 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
 
 
 def engine_config(spec: dict):
-    """The EngineConfig of an engine mode: the mode's fields over the benchmark's common ones."""
+    """The EngineConfig of an engine mode: the benchmark's common fields, the protocol's batch and
+    lr schedule, then the mode's own fields over them.
+
+    matched: ``accumulation="fixed"`` at the spec's ``global_micro_batches`` per step, the lr
+    schedule over the budget's steps (``max_steps`` is its horizon and the run's length);
+    free: ``accumulation="grow"`` from one micro-batch per round up to ``max_micro_batches``,
+    constant lr, no step limit (the sample budget ends the run)."""
     from engine import EngineConfig
 
-    mode_fields = {"max_micro_batches": spec["max_micro_batches"], "max_round_overhead": spec["max_round_overhead"],
-                   **MODES[spec["mode"]].engine_kwargs()}
-    return EngineConfig(
-        **mode_fields, accumulation="grow", micro_batches=1, max_steps=10**9, optimizer="adamw",
-        lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=spec["seed"],
-        compute_dtype="float32", comm_chunks=spec["comm_chunks"], group_size=spec["group_size"],
-        max_grad_norm=spec["max_grad_norm"] or None,
-        record_timeline=True, timeout_s=spec["timeout_s"], heartbeat_s=min(1.0, spec["timeout_s"] / 3))
+    if spec["protocol"] == "matched":
+        batch = {"accumulation": "fixed", "global_micro_batches": spec["global_micro_batches"],
+                 "balance": spec["balance"], **spec_schedule(spec).engine_kwargs()}
+    else:
+        batch = {"accumulation": "grow", "micro_batches": 1, "max_micro_batches": spec["max_micro_batches"],
+                 "max_round_overhead": spec["max_round_overhead"], "lr": spec["lr"], "max_steps": 10**9}
+    return EngineConfig(**{
+        "optimizer": "adamw", "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": spec["seed"],
+        "compute_dtype": "float32", "comm_chunks": spec["comm_chunks"], "group_size": spec["group_size"],
+        "max_grad_norm": spec["max_grad_norm"] or None, "record_timeline": True, "timeout_s": spec["timeout_s"],
+        "heartbeat_s": min(1.0, spec["timeout_s"] / 3), **batch, **MODES[spec["mode"]].engine_kwargs()})
 
 
 class SampleBudget:

@@ -1,10 +1,13 @@
 """Side-by-side benchmark over real shaped links: torch DDP peers against this engine's modes.
 
-Run as root (it builds a network-namespace testbed, see ``benchmarks/testbed.py``)::
+Run as root (it builds a network-namespace testbed, see ``benchmarks/testbed.py``). The headline
+protocol is matched batch: every mode trains at the same global batch of ``--global-batch`` B
+samples per optimizer step::
 
-    python recipes/benchmark.py --workers 2 --rate 100mbit --seeds 1 --samples 1536 \\
-        --json bench.json --plot bench_loss.png --timeline bench_timeline.png
-    python recipes/benchmark.py --hetero --rate 100mbit        # 3 workers, one at full speed
+    python recipes/benchmark.py --global-batch 16 --json bench_b16.json --plot bench_b16_loss.png
+    python recipes/benchmark.py --global-batch 64 --json bench_b64.json --plot bench_b64_loss.png
+    python recipes/benchmark.py --protocol free --json bench_free.json   # each mode at the batch it likes
+    python recipes/benchmark.py --hetero --global-batch 48 --balance speed   # 3 workers, two share a core
 
 What it does (docs/DESIGN.md section 4):
 
@@ -14,32 +17,51 @@ What it does (docs/DESIGN.md section 4):
 * runs every mode of ``--modes`` as one process per namespace (``benchmarks/worker.py``),
   one thread each, pinned to one core (``--hetero``: 3 workers, two share core 0, one has
   core 1), on the same model (GPT-2 shape, ~4.9M params, byte vocabulary, seq 128), the same
-  data order (every worker reads micro-batch j of its share of the shuffled Shakespeare
-  windows, Hamlet held out), the same AdamW hyper-parameters (betas 0.9/0.999, eps 1e-8, no
-  weight decay, constant lr) and the same sample budget;
-* modes: torch's own DistributedDataParallel + torch.optim.AdamW with ``no_sync``
-  accumulation of 1, 4 or 12 micro-batches (``torch-ddp-acc*``), DDP with the PowerSGD comm
-  hook (rank 1 / 4, error feedback on; ``torch-ddp+powersgd*``), and this engine's zero1, dpu,
-  acco, acco + LoCo 4-bit gradients + int8 param deltas (``acco+loco4``) and with int4 param
-  deltas (``acco+loco4+int4params``), all with adaptive accumulation capped at
-  ``--max-micro-batches`` per round and ``--comm-chunks`` async pieces per collective;
-* measures per mode: median step time, samples/s, global micro-batches per step, wire bytes per
-  step as the mode accounts them (engine history; for DDP 2(N-1)/N x the bucket bytes, for
+  data order (every worker reads its share of the shuffled Shakespeare windows in order,
+  Hamlet held out), AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), gradient clipping
+  ``--max-grad-norm`` (1.0) and the same sample budget;
+* ``--protocol matched`` (default): B samples per optimizer step for every mode
+  (benchmarks/modes.py ``matched_batch``): torch DDP at ``--micro-batch`` m (8) with
+  accumulation B / (m x workers) (B = 16 on 2 workers: 1; B = 64: 4); each engine mode with a
+  fixed global batch (``accumulation="fixed"``, ``global_micro_batches = B / m_e``) at the
+  largest micro-batch m_e dividing m that gives every worker the same whole number of
+  micro-batches in every round (acco, 2 rounds per step: m_e = 4 at B = 16, 8 at B = 64; zero1
+  and dpu: m_e = m), so every worker reads the same windows per step as DDP's; the table shows
+  each mode's micro-batch and accumulation. One lr schedule for all: linear warmup over the
+  first 5% of the steps, then cosine to 10% of the peak at the end of the budget (the engine's
+  ``lr_schedule="cosine"``; DDP through a torch lr scheduler reading the same function). The lr
+  is swept per mode (x 0.5, 1, 2 of ``--lr``) on the first seed, then every seed runs at each
+  mode's best; 3 seeds, 3072 samples (B = 16: 192 steps). Target: ``torch-ddp``'s held-out loss at
+  the end of its budget, per seed;
+* ``--protocol free``: the earlier table, each engine mode at the batch it likes
+  (``accumulation="grow"``, capped at ``--max-micro-batches`` per round, ``--max-round-overhead``)
+  against DDP at accumulation 1, 4, 12 (``torch-ddp-acc*``), constant lr, 1536 samples, no sweep;
+  target ``torch-ddp-acc1``'s final held-out loss;
+* modes: torch's own DistributedDataParallel + torch.optim.AdamW with ``no_sync`` accumulation
+  (``torch-ddp``, ``torch-ddp-acc*``), DDP with the PowerSGD comm hook (rank 1 / 4, error
+  feedback on; ``torch-ddp+powersgd*``), and this engine's zero1, dpu, acco, acco + LoCo 4-bit
+  gradients + int8 param deltas (``acco+loco4``) and with int4 param deltas
+  (``acco+loco4+int4params``), ``--comm-chunks`` async pieces per collective;
+* measures per mode: median step time, samples/s, samples and micro-batches per step, wire bytes
+  per step as the mode accounts them (engine history; for DDP 2(N-1)/N x the bucket bytes, for
   PowerSGD the hook's all-reduces) and as the worker's interface counted them (tx_bytes over
   the same window; headers and ACKs make it a few % more), held-out loss at eval points
-  against samples and wall time, throughput efficiency (samples/s over the compute-only
-  samples/s of the same workers doing the same fwd+bwd with no communication), and wall time
-  to a target held-out loss: what ``torch-ddp-acc1`` reaches at the end of its run (per seed,
-  linear interpolation between eval points).
+  against samples and wall time, its distance to the reference's at equal samples (percent,
+  seed against seed), throughput efficiency (samples/s over the compute-only samples/s of the
+  same workers doing the same fwd+bwd at the mode's micro-batch with no communication), overlap
+  efficiency (the physical limit of a step, max(compute at the compute-only pace, wire bytes
+  over the link), over the measured step time), and wall time to the target (median and spread
+  over seeds, linear interpolation between eval points).
 
 Wall time starts after a barrier once every worker has built its model and connected (start-up
 is reported separately) and excludes evaluation: parameters are copied at the eval points and
 evaluated after training. Shared machines are noisy: compare the ratios in one run, not
 absolute times across runs. The load average at start and end is printed.
 
-This file is the command line; the work is in ``benchmarks/``: ``modes.py`` (the mode table),
-``runner.py`` (testbed, workers, per-run records, the JSON), ``worker.py`` (one worker process),
-``report.py`` (statistics, the table and verdict) and ``plots.py``.
+This file is the command line; the work is in ``benchmarks/``: ``modes.py`` (the mode table,
+the batch of each mode, the lr schedule), ``runner.py`` (testbed, workers, per-run records, the
+JSON), ``worker.py`` (one worker process), ``report.py`` (statistics, the table and verdict)
+and ``plots.py``.
 """
 
 from __future__ import annotations
@@ -56,44 +78,64 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import plots, report, runner  # noqa: E402  (plots imports matplotlib when it draws)
-from benchmarks.modes import BENCHMARK_MODES, HETERO_MODES, REFERENCE  # noqa: E402
+from benchmarks.modes import (BENCHMARK_MODES, DEFAULT_MODES, MODES, PROTOCOLS, REFERENCES,  # noqa: E402
+                              BatchError, free_batch, matched_batch)
+
+# what each protocol leaves unset on the command line: (samples, lr sweep, sweep seeds, eval points)
+PROTOCOL_DEFAULTS = {"matched": (3072, True, 1, 16), "free": (1536, False, None, 6)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="matched",
+                    help="matched = every mode at --global-batch samples per optimizer step, one lr schedule "
+                    "(the headline table); free = each engine mode at the batch it likes (accumulation "
+                    "'grow'), DDP at accumulation 1/4/12, constant lr (the second table)")
+    ap.add_argument("--global-batch", type=int, default=None, metavar="B",
+                    help="matched: samples per optimizer step for every mode (default 16); torch DDP takes "
+                    "accumulation B / (micro-batch x workers), engine modes B / their micro-batch "
+                    "micro-batches per step")
+    ap.add_argument("--balance", choices=("equal", "speed"), default="equal",
+                    help="matched, engine modes: share a round's micro-batches out equally, or by each "
+                    "worker's measured speed (mixed machines, --hetero; the step's batch stays B)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rate", default="100mbit", help="each worker's link, both ways (tc units)")
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="one-way delay per link direction (needs the netem qdisc)")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--samples", type=int, default=None,
-                        help="global training samples per run (default 1536)")
+                        help="global training samples per run (default: matched 3072, free 1536); matched: "
+                        "a multiple of --global-batch")
     budget.add_argument("--steps", type=int, default=None,
-                        help="budget as torch-ddp-acc1 steps: samples = steps x workers x micro-batch")
-    ap.add_argument("--modes", default=None, help=f"comma list from: {', '.join(BENCHMARK_MODES)} (default all; "
-                    "with --hetero: " + ", ".join(HETERO_MODES) + ")")
+                        help="budget in optimizer steps: matched: samples = steps x B; free: torch-ddp-acc1 "
+                        "steps, samples = steps x workers x micro-batch")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma list from: {', '.join(BENCHMARK_MODES)} (default: matched "
+                    f"{', '.join(DEFAULT_MODES['matched', False])}; free {', '.join(DEFAULT_MODES['free', False])}; "
+                    f"with --hetero: matched {', '.join(DEFAULT_MODES['matched', True])}; "
+                    f"free {', '.join(DEFAULT_MODES['free', True])})")
     ap.add_argument("--seeds", type=int, default=3, help="runs per mode with seeds 0..N-1 (model init and data order)")
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+N-1 instead")
     ap.add_argument("--merge", action="append", default=[], metavar="JSON",
                     help="start from the runs of an earlier --json (repeatable): add seeds or modes to a table")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--lr-sweep", action="store_true",
-                    help="run each mode at lr x 0.5, 1, 2 and keep its best (median final held-out loss)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak lr (the sweep's middle)")
+    ap.add_argument("--lr-sweep", action=argparse.BooleanOptionalAction, default=None,
+                    help="run each mode at lr x 0.5, 1, 2 and keep its best (median final held-out loss) "
+                    "(default: on for matched, off for free)")
     ap.add_argument("--sweep-seeds", type=int, default=None,
                     help="with --lr-sweep: sweep on the first K seeds only, run the other seeds at each "
-                    "mode's best lr (default: every seed at every lr)")
+                    "mode's best lr (default: matched 1; free every seed at every lr)")
     ap.add_argument("--lr-from", default=None, metavar="JSON",
-                    help="each mode's lr from an earlier benchmark JSON (its swept best); modes not in it use --lr")
+                    help="each mode's lr from an earlier benchmark JSON (its swept best); modes not in it use "
+                    "--lr (turns the default sweep off)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="global gradient-norm clipping for every mode (0: off)")
-    ap.add_argument("--max-round-overhead", type=float, default=0.15,
-                    help="engine modes: comm-side CPU per round at most this fraction of its compute "
-                    "(sets the minimum micro-batches per round; 0: off)")
     ap.add_argument("--hetero", action="store_true",
                     help="3 workers: two pinned to core 0, one alone on core 1")
     ap.add_argument("--target-loss", type=float, default=None,
-                    help=f"target held-out loss (default: what {REFERENCE} reaches at the end, per seed)")
+                    help=f"target held-out loss (default: what {REFERENCES['matched']} (matched) or "
+                    f"{REFERENCES['free']} (free) reaches at the end, per seed)")
     ap.add_argument("--json", default=None, help="write one object per mode here (rewritten after every run)")
     ap.add_argument("--plot", default=None, help="PNG: held-out loss against wall time per mode")
     ap.add_argument("--timeline", default=None, help="PNG: compute and comm phases per worker for a few steps")
@@ -107,16 +149,22 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
-    ap.add_argument("--max-micro-batches", type=int, default=4,
-                    help="engine modes: adaptive accumulation cap per round and worker")
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="sequences per micro-batch: torch DDP's; matched: engine modes take the largest "
+                    "divisor of it that gives every worker the same whole number of micro-batches per round")
+    ap.add_argument("--max-micro-batches", type=int, default=None,
+                    help="free: engine modes' grow accumulation cap per round and worker (default 4)")
+    ap.add_argument("--max-round-overhead", type=float, default=None,
+                    help="free: engine modes' comm-side CPU per round at most this fraction of its compute "
+                    "(sets the minimum micro-batches per round; 0: off; default 0.15)")
     ap.add_argument("--comm-chunks", type=int, default=8, help="engine modes: async pieces per collective")
     ap.add_argument("--group-size", type=int, default=128, help="engine codecs: values per quantization group")
-    ap.add_argument("--eval-points", type=int, default=6, help="held-out evaluations per run (evenly in samples)")
+    ap.add_argument("--eval-points", type=int, default=None,
+                    help="held-out evaluations per run, evenly in samples (default: matched 16, free 6)")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out micro-batches per evaluation")
     ap.add_argument("--heldout", default="hamlet")
     ap.add_argument("--compute-micro-batches", type=int, default=6,
-                    help="timed fwd+bwd per worker for the compute-only ceiling")
+                    help="timed fwd+bwd per worker for the compute-only ceiling (at every micro-batch size in use)")
     ap.add_argument("--no-compute-at-end", action="store_true",
                     help="skip the second compute-only measurement after the last run (it tracks load drift)")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
@@ -136,7 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.workers = 3
     if a.workers < 2:
         ap.error("--workers must be at least 2")
-    a.modes = [m.strip() for m in (a.modes or ",".join(HETERO_MODES if a.hetero else BENCHMARK_MODES)).split(",")
+    if a.micro_batch < 1:
+        ap.error("--micro-batch must be at least 1")
+    a.modes = [m.strip() for m in (a.modes or ",".join(DEFAULT_MODES[a.protocol, a.hetero])).split(",")
                if m.strip()]
     unknown = [m for m in a.modes if m not in BENCHMARK_MODES]
     if unknown:
@@ -145,12 +195,59 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--first-seed must be >= 0")
     if a.seeds < 1:
         ap.error("--seeds must be >= 1")
-    if a.samples is None:
-        a.samples = a.steps * a.workers * a.micro_batch if a.steps else 1536
-    if a.samples < a.workers * a.micro_batch:
-        ap.error(f"--samples must be at least one micro-batch per worker ({a.workers * a.micro_batch})")
+    samples, default_sweep, default_sweep_seeds, eval_points = PROTOCOL_DEFAULTS[a.protocol]
+    a.reference = REFERENCES[a.protocol]
+    if a.eval_points is None:
+        a.eval_points = eval_points
+    if a.eval_points < 1:
+        ap.error("--eval-points must be at least 1")
+    check_batch_args(ap, a, samples)
+    if a.lr_sweep is None:
+        a.lr_sweep = default_sweep and not a.lr_from
+    if a.lr_sweep and a.sweep_seeds is None and default_sweep_seeds:
+        a.sweep_seeds = min(default_sweep_seeds, a.seeds)
     check_lr_args(ap, a)
     return a
+
+
+def check_batch_args(ap: argparse.ArgumentParser, a: argparse.Namespace, default_samples: int) -> None:
+    """The batch of every mode under the protocol (a.batch_plans, a.global_batch) and the budget
+    (a.samples, a.steps: optimizer steps of a matched run)."""
+    if a.protocol == "free":
+        for flag, given in (("--global-batch", a.global_batch is not None), ("--balance", a.balance != "equal")):
+            if given:
+                ap.error(f"{flag} sets the matched-batch protocol's batch: leave it out with --protocol free")
+        a.max_micro_batches = 4 if a.max_micro_batches is None else a.max_micro_batches
+        a.max_round_overhead = 0.15 if a.max_round_overhead is None else a.max_round_overhead
+        a.batch_plans = {m: free_batch(m, a.workers, a.micro_batch) for m in a.modes}
+        if a.samples is None:
+            a.samples = a.steps * a.workers * a.micro_batch if a.steps else default_samples
+        if a.samples < a.workers * a.micro_batch:
+            ap.error(f"--samples must be at least one micro-batch per worker ({a.workers * a.micro_batch})")
+        return
+    for flag, value in (("--max-micro-batches", a.max_micro_batches), ("--max-round-overhead", a.max_round_overhead)):
+        if value is not None:
+            ap.error(f"{flag} tunes the free protocol's growing batch; under matched batch every mode takes "
+                     f"--global-batch samples per step (use --protocol free for the free-batch table)")
+    a.global_batch = 16 if a.global_batch is None else a.global_batch
+    if a.global_batch < 1:
+        ap.error(f"--global-batch must be a positive number of samples, got {a.global_batch}")
+    free_only = [m for m in a.modes if "matched" not in MODES[m].protocols]
+    if free_only:
+        ap.error(f"mode(s) {free_only} choose their own batch (free protocol only): leave them out of a "
+                 f"matched-batch run or add --protocol free")
+    try:
+        a.batch_plans = {m: matched_batch(m, a.global_batch, a.workers, a.micro_batch) for m in a.modes}
+    except BatchError as e:
+        ap.error(str(e))
+    if a.samples is None:
+        a.samples = a.steps * a.global_batch if a.steps else default_samples
+    if a.samples < a.global_batch or a.samples % a.global_batch:
+        lower = a.samples // a.global_batch * a.global_batch
+        near = " or ".join(str(x) for x in (lower, lower + a.global_batch) if x > 0)
+        ap.error(f"--samples {a.samples} is not a whole number of steps of --global-batch {a.global_batch}: "
+                 f"use {near}")
+    a.steps = a.samples // a.global_batch
 
 
 def check_lr_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -175,7 +272,7 @@ def render(args) -> int:
         with open(args.render) as f:
             doc = json.load(f)
         rows, cfg = doc["modes"], doc["config"]
-        report.add_derived(rows, cfg["workers"], cfg["rate"], cfg["micro_batch"])
+        report.add_derived(rows, cfg["workers"], cfg["rate"], cfg["micro_batch"], cfg.get("reference"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"error: --render {args.render}: not a benchmark JSON ({e})", file=sys.stderr)
         return 2
@@ -197,15 +294,22 @@ def testbed_problem(args) -> str | None:
     return reason
 
 
-def merged_runs(args) -> tuple[list[dict], list[float]] | None:
-    """The runs and compute-only rates of every --merge JSON (None, after saying why, if one is not)."""
+def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
+    """The runs and compute-only rates of every --merge JSON (None, after saying why, if one is
+    not, or if its runs trained under another protocol or global batch)."""
     runs: list[dict] = []
-    compute_rates: list[float] = []
+    compute_rates: list[dict] = []
     for path in args.merge:
         try:
             runs_in, rates_in = runner.load_runs(path)
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: --merge {path}: not a benchmark JSON ({e})", file=sys.stderr)
+            return None
+        want = (args.protocol, args.global_batch if args.protocol == "matched" else None)
+        other = {(r.get("protocol") or "free", r.get("global_batch")) for r in runs_in} - {want}
+        if other:
+            print(f"error: --merge {path}: its runs trained under (protocol, global batch) {sorted(other, key=str)}, "
+                  f"this run under {want}: a table holds one", file=sys.stderr)
             return None
         runs += runs_in
         compute_rates += rates_in

@@ -1,5 +1,6 @@
 """The benchmark's bookkeeping, on made-up runs (no testbed, no root): which lr each seed runs
-after a sweep, which lr a mode keeps, time to target, and the verdict lines."""
+after a sweep, which lr a mode keeps, time to target, and the verdict lines (the free-batch
+protocol's; the matched-batch protocol's are in test_benchmark_matched.py)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def test_lr_from_reads_an_earlier_result(tmp_path):
 
 
 def test_verdict_compares_against_the_best_ddp_and_powersgd():
-    args = parse_args(["--modes", "torch-ddp-acc1,torch-ddp-acc4,torch-ddp+powersgd4,zero1,acco,acco+loco4",
-                       "--seeds", "1"])
+    args = parse_args(["--protocol", "free", "--seeds", "1",
+                       "--modes", "torch-ddp-acc1,torch-ddp-acc4,torch-ddp+powersgd4,zero1,acco,acco+loco4"])
     runs = [fake_run("torch-ddp-acc1", 1e-3, 0, 2.5, t_end=200, wire=19e6),
             fake_run("torch-ddp-acc4", 1e-3, 0, 2.4, t_end=100, wire=19e6),
             fake_run("torch-ddp+powersgd4", 1e-3, 0, 2.45, t_end=80),
@@ -100,12 +101,13 @@ def test_later_seeds_use_the_lr_the_sweep_seeds_chose():
 def test_merge_adds_seeds_to_an_earlier_table(tmp_path):
     from benchmarks.runner import load_runs
 
-    args = parse_args(["--modes", "torch-ddp-acc1,zero1", "--seeds", "1"])
+    args = parse_args(["--protocol", "free", "--modes", "torch-ddp-acc1,zero1", "--seeds", "1"])
     first = aggregate(args, [fake_run("torch-ddp-acc1", 1e-3, 0, 2.5), fake_run("zero1", 1e-3, 0, 2.6)], [20.0])
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"modes": first, "compute_only_samples_per_s": [20.0]}))
     runs, rates = load_runs(str(path))
-    more = parse_args(["--modes", "zero1", "--seeds", "1", "--first-seed", "1", "--lr-from", str(path)])
+    more = parse_args(["--protocol", "free", "--modes", "zero1", "--seeds", "1", "--first-seed", "1",
+                       "--lr-from", str(path)])
     rows = {o["mode"]: o for o in aggregate(more, runs + [fake_run("zero1", 1e-3, 1, 2.4)], rates)}
     assert set(rows) == {"torch-ddp-acc1", "zero1"} and rows["zero1"]["seeds"] == [0, 1]
     assert rows["zero1"]["final_heldout_loss"] == pytest.approx(2.5)  # median of 2.6 and 2.4

@@ -1,10 +1,12 @@
 """Smoke test of recipes/benchmark.py (through benchmarks/runner.py, worker.py, report.py and
 plots.py): a small model (2 x 128, big enough that payload, not per-packet headers, dominates the
-tx counters), 2 workers on 1 Gbit/s links, two modes.
+tx counters), 2 workers on 1 Gbit/s links, two modes under the matched-batch protocol (8 samples
+per step: DDP at micro-batch 4, acco at micro-batch 2 over its 2 rounds).
 
 Needs root (the testbed builds network namespaces); skipped with the testbed's reason otherwise.
-Checks the exit status, the JSON fields, that the wire bytes each mode accounts for agree with
-the interfaces' tx_bytes within 10%, and that both PNGs are written.
+Checks the exit status, the JSON fields, that both modes trained on the same samples per step,
+that the wire bytes each mode accounts for agree with the interfaces' tx_bytes within 10%, and
+that both PNGs are written.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ FIELDS = (
     "mode", "lr", "step_time_median_s", "samples_per_s", "global_micro_batches_per_step",
     "wire_bytes_per_step_engine", "wire_bytes_per_step_tx", "tx_over_engine", "evals",
     "final_heldout_loss", "compute_only_samples_per_s", "throughput_efficiency", "target_loss",
-    "time_to_target_s", "time_to_target_min_s", "time_to_target_max_s",
+    "time_to_target_s", "time_to_target_min_s", "time_to_target_max_s", "overlap_efficiency",
+    "samples_per_step", "micro_batch", "batch", "loss_vs_ref_pct", "loss_vs_ref_pct_by_samples",
 )
 
 
@@ -36,23 +39,28 @@ FIELDS = (
 def test_benchmark_smoke(tmp_path):
     out_json, plot, timeline = tmp_path / "b.json", tmp_path / "loss.png", tmp_path / "timeline.png"
     argv = [sys.executable, SCRIPT, "--workers", "2", "--rate", "1gbit",
-            "--modes", "torch-ddp-acc1,acco+loco4", "--seeds", "1", "--samples", "64",
-            "--micro-batch", "4", "--seq-len", "32", "--n-layer", "2", "--n-embd", "128", "--n-head", "4",
+            "--modes", "torch-ddp,acco+loco4", "--seeds", "1", "--samples", "64", "--global-batch", "8",
+            "--no-lr-sweep", "--micro-batch", "4",
+            "--seq-len", "32", "--n-layer", "2", "--n-embd", "128", "--n-head", "4",
             "--eval-points", "2", "--eval-batches", "2", "--compute-micro-batches", "1", "--no-compute-at-end",
             "--prefix", f"bs{os.getpid() % 100000}",
             "--json", str(out_json), "--plot", str(plot), "--timeline", str(timeline)]
     cp = subprocess.run(argv, capture_output=True, text=True, timeout=115, cwd=REPO)
     assert cp.returncode == 0, f"exit {cp.returncode}\nstdout:\n{cp.stdout[-3000:]}\nstderr:\n{cp.stderr[-5000:]}"
-    assert "| torch-ddp-acc1 |" in cp.stdout and "| acco+loco4 |" in cp.stdout
+    assert "| torch-ddp | 0.001 | 4 x acc 1 |" in cp.stdout
+    assert "| acco+loco4 | 0.001 | 2 x 4/step (2 rounds) |" in cp.stdout
 
     doc = json.loads(out_json.read_text())
     assert doc["complete"] is True
     modes = {o["mode"]: o for o in doc["modes"]}
-    assert set(modes) == {"torch-ddp-acc1", "acco+loco4"}
+    assert set(modes) == {"torch-ddp", "acco+loco4"}
+    assert sorted({c["micro_batch"] for c in doc["compute_only"]}) == [2, 4]
     for name, o in modes.items():
         missing = [f for f in FIELDS if f not in o]
         assert not missing, f"{name} lacks {missing}"
-        assert o["samples"] >= 64 and o["samples_per_s"] > 0 and o["step_time_median_s"] > 0
+        assert o["samples"] == 64 and o["steps"] == 8 and o["samples_per_step"] == 8
+        assert o["samples_per_s"] > 0 and o["step_time_median_s"] > 0 and o["overlap_efficiency"] > 0
+        assert [e["samples"] for e in o["evals"][0]] == [32, 64]
         assert o["wire_bytes_per_step_engine"] > 0 and o["wire_bytes_per_step_tx"] > 0
         # every worker's interface counter against what the mode accounts for, same window
         for ratio in o["runs"][0]["tx_over_engine_per_rank"]:
@@ -60,8 +68,9 @@ def test_benchmark_smoke(tmp_path):
         assert all(e["loss"] is not None for e in o["evals"][0]), o["evals"]
         assert 0 < o["throughput_efficiency"]
     # the reference reaches its own final loss at its last eval point
-    ref = modes["torch-ddp-acc1"]
-    assert ref["target_loss"] == pytest.approx(ref["final_heldout_loss"])
+    ref = modes["torch-ddp"]
+    assert ref["target_loss"] == pytest.approx(ref["final_heldout_loss"]) and ref["loss_vs_ref_pct"] == 0
+    assert modes["acco+loco4"]["loss_vs_ref_samples"] == 64 and modes["acco+loco4"]["micro_batch"] == 2
     assert ref["time_to_target_s"] == pytest.approx(ref["evals"][0][-1]["time_s"])
     # 4-bit gradients + int8 param deltas, two rounds per step, still send less than fp32 DDP
     assert modes["acco+loco4"]["wire_bytes_per_step_engine"] < ref["wire_bytes_per_step_engine"]
