@@ -25,3 +25,17 @@ def propose(state: ShardState, grad: torch.Tensor, lr: float, spec) -> ShardStat
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(spec.eps)
     params.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
     return ShardState(master=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step)
+
+
+def propose_into(state: ShardState, grad: torch.Tensor, lr: float, spec, out: ShardState) -> None:
+    """``propose`` written into ``out``'s tensors (same shapes), the same operations in the same
+    order: the same bits, without allocating the new state."""
+    beta1, beta2 = spec.betas
+    step = state.step + 1
+    torch.lerp(state.exp_avg, grad, 1 - beta1, out=out.exp_avg)
+    torch.mul(state.exp_avg_sq, beta2, out=out.exp_avg_sq).addcmul_(grad, grad, value=1 - beta2)
+    torch.mul(state.master, 1 - lr * spec.weight_decay, out=out.master)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = out.exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(spec.eps)
+    out.master.addcdiv_(out.exp_avg, denom, value=-lr / bias_correction1)

@@ -163,6 +163,17 @@ class ErrorFeedback:
             self._scales.copy_(scales)
         self._zero = False
 
+    def int8_state(self) -> tuple[Tensor, Tensor, bool]:
+        """``(codes, scales, zero)`` of the int8 storage, live, for a fused kernel that does
+        compensate + update in place (acco_loco/kernels.py); call :meth:`updated` after it."""
+        if self._codes is None:
+            raise ValueError(f"the error state is stored as {self.storage!r}, not int8")
+        return self._codes, self._scales, self._zero
+
+    def updated(self) -> None:
+        """Say that the error state was written in place (it is no longer known to be 0)."""
+        self._zero = False
+
     def on_committed_step(self, step: int) -> bool:
         """Call once after optimizer step ``step`` (the count of committed steps, 1-based)
         commits; resets ``e`` to 0 when ``step % reset_period == 0``.  Returns whether it did.

@@ -77,6 +77,44 @@ def propose_step(state: ShardState, grad: torch.Tensor, lr: float, spec: Optimiz
     return OPTIMIZERS[spec.name].propose(state, grad.to(torch.float32), lr, spec)
 
 
+def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: float, lr: float,
+                  spec: OptimizerSpec, out: ShardState, a: int, b: int, scratch: torch.Tensor | None = None) -> None:
+    """Values ``[a, b)`` of ``propose_step(state, grad, lr, spec)`` for ``grad = grad_sum / count``
+    scaled by ``coef`` when below 1 (clipping), written into ``out``'s tensors: the same bits as
+    the whole step (every optimizer here is elementwise), so a round can step the shard piece by
+    piece and send each piece as soon as it is done. ``scratch``: fp32, as long as the shard
+    (the fused kernel's square roots)."""
+    sl = slice(a, b)
+    if spec.name == "adamw" and scratch is not None and _fused(grad_sum, state, out):
+        from . import kernels
+
+        kernels.adamw(grad_sum[sl], count, coef, state.exp_avg[sl], state.exp_avg_sq[sl], state.master[sl],
+                      out.exp_avg[sl], out.exp_avg_sq[sl], out.master[sl], lr, state.step + 1, spec, scratch[sl])
+        return
+    grad = grad_sum[sl] / count
+    if coef < 1.0:
+        grad.mul_(coef)
+    grad = grad.to(torch.float32)
+    part = ShardState(state.master[sl], state.exp_avg[sl],
+                      None if state.exp_avg_sq is None else state.exp_avg_sq[sl], state.step)
+    target = ShardState(out.master[sl], out.exp_avg[sl], None if out.exp_avg_sq is None else out.exp_avg_sq[sl])
+    module = OPTIMIZERS[spec.name]
+    if hasattr(module, "propose_into"):
+        module.propose_into(part, grad, lr, spec, target)
+        return
+    new = module.propose(part, grad, lr, spec)
+    for name, t in new.tensors().items():
+        getattr(target, name).copy_(t)
+
+
+def _fused(grad_sum: torch.Tensor, *states: ShardState) -> bool:
+    """The fused CPU kernel takes these: fp32, contiguous, on the CPU, and it is built."""
+    from . import kernels
+
+    tensors = [grad_sum] + [t for s in states for t in s.tensors().values()]
+    return (all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors) and kernels.available())
+
+
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     """Factor that scales a gradient of norm ``total_norm`` down to ``max_norm`` (torch's rule)."""
     if max_norm is None or max_norm <= 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,11 +16,26 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor | None = None
     step: int = 0
+    _spare: "ShardState | None" = field(default=None, repr=False, compare=False)
 
-    def install(self, proposal: "ShardState") -> None:
-        """Take a proposed step's tensors as this state (no copy)."""
+    def spare(self) -> "ShardState":
+        """Tensors shaped like this state's, to propose the next step into (``step + 1``),
+        allocated once and reused: after :meth:`install` with ``recycle`` they are the old state's."""
+        sp = self._spare
+        if sp is None or sp.master.shape != self.master.shape or (sp.exp_avg_sq is None) != (self.exp_avg_sq is None):
+            sp = self._spare = ShardState(torch.empty_like(self.master), torch.empty_like(self.exp_avg),
+                                          None if self.exp_avg_sq is None else torch.empty_like(self.exp_avg_sq))
+        sp.step = self.step + 1
+        return sp
+
+    def install(self, proposal: "ShardState", recycle: bool = False) -> None:
+        """Take a proposed step's tensors as this state (no copy). ``recycle``: the proposal came
+        from :meth:`spare`, and the old state's tensors become the next spare (nothing else may
+        hold them)."""
+        old = ShardState(self.master, self.exp_avg, self.exp_avg_sq)
         self.master, self.exp_avg, self.exp_avg_sq, self.step = (
             proposal.master, proposal.exp_avg, proposal.exp_avg_sq, proposal.step)
+        self._spare = old if recycle else (None if proposal is self._spare else self._spare)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg}
