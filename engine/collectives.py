@@ -8,6 +8,18 @@ Each row a worker sends to owner j holds: the packed payload of shard j, its sca
 sender's micro-batch count (the weight). Workers send their *mean* micro-batch gradient, so the
 error state stays in one unit whatever the count of a round; the owner weights by the count.
 
+Both collectives are pipelined over ``comm_chunks`` pieces of the shard (engine/comm.py
+``chunk_bounds``, starts aligned to the codec groups and to PIECE_ALIGN): a reducer encodes
+piece k+1 while piece k is on the wire and decodes piece k-1 as soon as it has arrived; a
+gatherer sends each piece of the new shard as soon as the optimizer has produced it
+(``begin``/``push``/``finish``, see engine/strategies/sharded.py). Each piece of a row is a
+segment [payload | scales] (the reducer's first piece also carries the sender's count), so the
+bytes on the wire are the same for any number of pieces, and every value goes through the same
+arithmetic in the same order: the results do not depend on the pieces. On CPU the encode and
+decode loops run in acco_loco/kernels.py's fused kernels where they apply (int codecs with fp32
+scales, round-to-nearest, int8 error storage), with the same bits as the torch code beside them;
+the send/receive/output buffers are kept and reused every round.
+
 The delta parameter all-gather sends Q(master_new - theta') where theta' is what every replica
 holds; every replica, the owner included, adds the same decoded delta, so replicas stay
 bit-identical and the owner's exact fp32 master carries any error into the next delta.
@@ -15,13 +27,17 @@ bit-identical and the owner's exact fp32 master carries any error into the next 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from acco_loco import kernels
 from acco_loco.feedback import ErrorFeedback, compress
+from acco_loco.int_codec import IntCodec
 from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, parse_grad_codec
 
-from .comm import Comm
-from .host import nonfinite_rows
+from .comm import PIECE_ALIGN, Comm, chunk_bounds
+from .host import nonfinite_flag, nonfinite_rows_parts
 
 
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,14 +52,53 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return scales.contiguous().view(torch.uint8)
 
 
+def _fast_codec(codec) -> bool:
+    """A wire codec the fused kernels implement: int8/int4/int2 with fp32 scales."""
+    return (isinstance(codec, IntCodec) and codec.scale_dtype == torch.float32
+            and codec.group_size <= kernels.MAX_GROUP)
+
+
+_SEGMENTS: dict = {}
+
+
+def _segments(codec, shard: int, chunks: int) -> list[tuple[int, int, int, int]]:
+    """The pieces of a shard: (a, b, payload bytes, scale bytes) of values [a, b)."""
+    key = (codec.name, getattr(codec, "group_size", 1), codec.scale_dtype, shard, chunks)
+    if key not in _SEGMENTS:
+        unit = math.lcm(getattr(codec, "group_size", 1), PIECE_ALIGN)
+        _SEGMENTS[key] = [(a, b, codec.payload_bytes(b - a), codec.scale_bytes(b - a))
+                          for a, b in chunk_bounds(shard, chunks, unit)]
+    return _SEGMENTS[key]
+
+
+class _Outputs:
+    """Two reduced-shard buffers used in turn: a round's sum stays intact through the next round
+    (ACCO keeps the estimate half until its commit), and no round allocates one."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+
+    def next(self, shard: int, device: torch.device) -> torch.Tensor:
+        self._turn ^= 1
+        buf = self._bufs[self._turn]
+        if buf is None or buf.numel() != shard or buf.device != device:
+            buf = self._bufs[self._turn] = torch.empty(shard, dtype=torch.float32, device=device)
+        return buf
+
+
 # ------------------------------------------------------------------------ gradient reducers
 class PlainGrads:
     """Uncompressed reduce-scatter in the gradient's dtype, summed in fp32."""
 
     feedback = None
+    input_nonfinite = None  # not looked for on the way: the round checks the gradient itself
+
+    def __init__(self) -> None:
+        self._outputs = _Outputs()
 
     def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
-        return comm.reduce_scatter_sum(full)
+        return comm.reduce_scatter_sum(full, self._outputs.next(full.numel() // comm.world_size, full.device))
 
     def begin_step(self) -> None:
         pass
@@ -72,6 +127,15 @@ class CompressedGrads:
         if stochastic:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
+        fb = self.feedback
+        # the fused CPU kernels: deterministic rounding, and an int8 error state in the codec's groups
+        self.fused = (torch.device(device).type == "cpu" and _fast_codec(self.codec) and self.generator is None
+                      and (not fb.active or (fb.storage == "int8" and fb.group_size == self.codec.group_size))
+                      and kernels.available())
+        self._outputs = _Outputs()
+        # whether the gradient the last reduce() took held a NaN/Inf (0-d float64 on its device),
+        # found on the way through it: the round's small all-reduce carries it
+        self.input_nonfinite: torch.Tensor | None = None
 
     def encode(self, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scales) of this worker's compensated mean gradient; the error state moves on.
@@ -87,24 +151,80 @@ class CompressedGrads:
         return payload, scales
 
     def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
-        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard."""
-        n = self.world
+        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard; sets
+        ``input_nonfinite``.
+
+        Pipelined: piece k of every destination's shard is encoded and put on the wire, then
+        piece k-1, which is on the wire meanwhile, is decoded on arrival."""
+        n, codec, dev = self.world, self.codec, full.device
         shard = full.numel() // n
-        payload, scales = self.encode(full, count)
-        p_len = payload.numel() // n
-        s_len = scales.numel() * scales.element_size() // n
-        weight = torch.tensor([float(count)], dtype=torch.float32, device=full.device).view(torch.uint8)
-        rows = torch.cat([payload.view(n, p_len), _scale_bytes(scales).view(n, s_len),
-                          weight.view(1, -1).expand(n, -1)], dim=1)
-        received = comm.all_to_all_rows(rows)
-        weights = _bytes_as(received[:, p_len + s_len:], torch.float32).view(n)  # stays on the device
-        out = torch.zeros(shard, dtype=torch.float32, device=full.device)
-        part = torch.empty(shard, dtype=torch.float32, device=full.device)
-        for j, row in enumerate(received):
-            row_scales = _bytes_as(row[p_len:p_len + s_len], scales.dtype)
-            self.codec.decode(row[:p_len].contiguous(), row_scales, out=part)
-            out.addcmul_(part, weights[j])
+        segs = _segments(codec, shard, comm.chunks)
+        fused = (self.fused and full.dtype == torch.float32 and kernels.fits(full)
+                 and all(p % 4 == 0 for _, _, p, _ in segs))  # the scales land word-aligned
+        sends, recvs = [], []
+        for k, (a, b, p, s) in enumerate(segs):
+            shape = (n, p + s + (4 if k == 0 else 0))  # the first piece ends with the sender's count
+            sends.append(comm.buffer(("grads.send", k), shape, torch.uint8, dev))
+            recvs.append(comm.buffer(("grads.recv", k), shape, torch.uint8, dev))
+        p0, s0 = segs[0][2], segs[0][3]
+        weight = torch.tensor([float(count)], dtype=torch.float32, device=dev).view(torch.uint8)
+        sends[0][:, p0 + s0:].copy_(weight.view(1, 4).expand(n, 4))
+        out = self._outputs.next(shard, dev)
+        if fused:
+            bad = False
+            fb = self.feedback
+            codes, escales, zero = fb.int8_state() if fb.active else (None, None, True)
+            group, bits, beta = codec.group_size, codec.bits, fb.beta if fb.active else 0.0
+            xp = full.data_ptr()
+            cp, ep = (None, None) if codes is None else (codes.data_ptr(), escales.data_ptr())
+        else:
+            bad = nonfinite_flag(full)
+            payload, scales = self.encode(full, count)
+            payload_rows, scale_rows = payload.view(n, -1), _scale_bytes(scales).view(n, -1)
+        pending = []
+        for k, (a, b, p, s) in enumerate(segs):
+            send = sends[k]
+            if fused:  # piece k of every destination's shard, rows [payload | scales] of the send buffer
+                bad |= kernels.encode(xp + 4 * a, n, shard, b - a, max(count, 1), bits, group, send.data_ptr(),
+                                      send.shape[1], p, None if cp is None else cp + a,
+                                      None if ep is None else ep + 4 * (a // group), zero, count > 0, beta)
+            else:
+                pa, pb = codec.payload_bytes(a), codec.payload_bytes(b)
+                sa, sb = codec.scale_bytes(a), codec.scale_bytes(b)
+                send[:, :p].copy_(payload_rows[:, pa:pb])
+                send[:, p:p + s].copy_(scale_rows[:, sa:sb])
+            pending.append((k, comm.all_to_all_start(recvs[k], send)))
+            if len(pending) > 1:  # decode the piece before while this one is on the wire
+                self._decode(pending.pop(0), segs, recvs, out, fused)
+        for item in pending:
+            self._decode(item, segs, recvs, out, fused)
+        if fused:
+            if fb.active and count > 0:
+                fb.updated()
+            bad = torch.tensor(float(bad), dtype=torch.float64, device=dev)
+        self.input_nonfinite = bad
         return out
+
+    def _decode(self, item, segs, recvs, out: torch.Tensor, fused: bool) -> None:
+        """out[a:b] = sum over rows j (in order) of w_j * deQ(row j's piece)."""
+        k, work = item
+        if work is not None:
+            work.wait()
+        a, b, p, s = segs[k]
+        recv, codec = recvs[k], self.codec
+        wpos = segs[0][2] + segs[0][3]
+        target = out[a:b]
+        if fused:
+            kernels.decode_sum(recv.data_ptr(), recv.shape[0], recv.shape[1], p, recvs[0].data_ptr() + wpos,
+                               recvs[0].shape[1], b - a, codec.bits, codec.group_size, target.data_ptr())
+            return
+        weights = _bytes_as(recvs[0][:, wpos:wpos + 4], torch.float32).view(-1)  # stays on the device
+        part = torch.empty(b - a, dtype=torch.float32, device=out.device)
+        target.zero_()
+        for j in range(recv.shape[0]):
+            row_scales = _bytes_as(recv[j, p:p + s], codec.scale_dtype)
+            codec.decode(recv[j, :p].contiguous(), row_scales, out=part)
+            target.addcmul_(part, weights[j])
 
     def begin_step(self) -> None:
         self.feedback.mark()  # a skipped step goes back here: it must leave no error behind
@@ -133,58 +253,134 @@ class CompressedGrads:
 
 
 # ------------------------------------------------------------------------ parameter gatherers
-class CastParams:
+class _Gatherer:
+    """A pipelined all-gather of a new shard into ``held`` (the full buffer every replica holds):
+    ``begin`` gives the pieces, ``push(k)`` sends piece k of the new shard as soon as it is
+    ready, ``finish`` waits, checks and installs; ``gather`` does the three in a row."""
+
+    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
+        """Fill ``held``; returns the ranks whose gathered values are not finite."""
+        for k in range(len(self.begin(comm, held))):
+            self.push(comm, k, new_shard)
+        return self.finish(comm, held)
+
+    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+        self._pending: list = []
+        self._shard = held.numel() // comm.world_size
+        self._bounds = self._pieces(comm)
+        return [(a, b) for a, b, *_ in self._bounds]
+
+
+class CastParams(_Gatherer):
     """All-gather of the new shards cast to a wire dtype (the compute dtype, or a cast)."""
 
     def __init__(self, wire_dtype: torch.dtype):
         self.wire_dtype = wire_dtype
 
-    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
+    def _pieces(self, comm: Comm):
+        return chunk_bounds(self._shard, comm.chunks, PIECE_ALIGN)
+
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
+        a, b = self._bounds[k]
+        piece = new_shard[a:b]
+        if piece.dtype != self.wire_dtype or not piece.is_contiguous():
+            piece = comm.buffer(("params.cast", k), (b - a,), self.wire_dtype, new_shard.device).copy_(piece)
+        recv = comm.buffer(("params.recv", k), (comm.world_size * (b - a),), self.wire_dtype, new_shard.device)
+        self._pending.append((k, recv, comm.all_gather_start(recv, piece)))
+
+    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
         """Fill ``held``; returns the ranks whose gathered values are not finite (``held`` must
         then be gathered again)."""
-        if self.wire_dtype == held.dtype:
-            wire = comm.all_gather(new_shard.to(held.dtype), held)
-        else:
-            wire = torch.empty(held.numel(), dtype=self.wire_dtype, device=held.device)
-            comm.all_gather(new_shard.to(self.wire_dtype), wire)
-        bad = nonfinite_rows(wire.view(comm.world_size, -1))
+        n, shard = comm.world_size, self._shard
+        wire = held if self.wire_dtype == held.dtype else comm.buffer(("params.wire",), (held.numel(),),
+                                                                        self.wire_dtype, held.device)
+        rows, parts = wire.view(n, shard), []
+        for k, recv, work in self._pending:
+            if work is not None:
+                work.wait()
+            a, b = self._bounds[k]
+            got = recv.view(n, b - a)
+            rows[:, a:b].copy_(got)  # while the later pieces are still on the wire
+            parts.append(got)
+        bad = nonfinite_rows_parts(parts)
         if wire is not held and not bad:
             held.copy_(wire)
         return bad
 
 
-class DeltaParams:
+class DeltaParams(_Gatherer):
     """The delta all-gather of new parameter shards against what every replica holds."""
 
     def __init__(self, name: str, world: int, group_size: int, scale_dtype: str):
         self.codec = WIRE_CODECS[name](group_size, scale_dtype)
         self.world = world
+        self.fused = _fast_codec(self.codec) and kernels.available()
 
-    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
-        """Update ``held`` (the full compute-param buffer every replica holds) in place.
+    def _pieces(self, comm: Comm):
+        return _segments(self.codec, self._shard, comm.chunks)
+
+    def _fused_for(self, held: torch.Tensor, *tensors: torch.Tensor) -> bool:
+        return (self.fused and held.dtype == torch.float32 and kernels.fits(held)
+                and all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors))
+
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, held: torch.Tensor | None = None) -> None:
+        """Send piece k of Q(new_shard - mine), mine = this rank's shard of ``held``."""
+        held = self._held if held is None else held
+        a, b, p, s = self._bounds[k]
+        codec, dev = self.codec, held.device
+        send = comm.buffer(("params.send", k), (p + s,), torch.uint8, dev)
+        recv = comm.buffer(("params.recv", k), (comm.world_size * (p + s),), torch.uint8, dev)
+        lo = comm.rank * self._shard
+        mine, new = held[lo + a:lo + b], new_shard[a:b]
+        if self._fused_for(held, new) and p % 4 == 0:
+            kernels.delta_encode(new.data_ptr(), mine.data_ptr(), b - a, codec.bits, codec.group_size,
+                                 send.data_ptr(), p)
+        else:
+            delta = new.to(torch.float32) - mine.to(torch.float32)
+            payload, scales = codec.encode(delta, check_finite=False)
+            # a NaN group would encode as scale 0: say it in the scales, on the device
+            scales = torch.where(torch.isfinite(delta).all(), scales, float("nan")).to(scales.dtype)
+            send[:p].copy_(payload)
+            send[p:].copy_(_scale_bytes(scales))
+        self._pending.append((k, recv, comm.all_gather_start(recv, send)))
+
+    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+        self._held = held
+        return super().begin(comm, held)
+
+    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
+        """Update ``held`` in place once every piece has arrived and all are finite.
 
         Returns the ranks whose new shard was not finite; ``held`` is then left untouched on
         every replica (each sees the same gathered rows, so all decide alike)."""
-        n, rank = self.world, comm.rank
-        shard = new_shard.numel()
-        mine = held[rank * shard:(rank + 1) * shard].to(torch.float32)
-        delta = new_shard.to(torch.float32) - mine
-        payload, scales = self.codec.encode(delta, check_finite=False)
-        # a NaN group would encode as scale 0: say it in the scales, on the device
-        scales = torch.where(torch.isfinite(delta).all(), scales, float("nan")).to(scales.dtype)
-        row = torch.cat([payload, _scale_bytes(scales)])
-        rows = torch.empty((n, row.numel()), dtype=torch.uint8, device=row.device)
-        comm.all_gather(row, rows.view(-1))
-        p_len = payload.numel()
-        row_scales = _bytes_as(rows[:, p_len:], scales.dtype)
-        bad = nonfinite_rows(row_scales)
+        n, shard, codec = comm.world_size, self._shard, self.codec
+        got = []
+        for k, recv, work in self._pending:
+            if work is not None:
+                work.wait()
+            a, b, p, s = self._bounds[k]
+            rows = recv.view(n, p + s)
+            got.append((a, b, p, rows, _bytes_as(rows[:, p:], codec.scale_dtype)))
+        self._held = None
+        bad = nonfinite_rows_parts([scales for *_, scales in got])
         if bad:
             return bad
-        delta = torch.empty(shard, dtype=torch.float32, device=held.device)
-        for j in range(n):
-            self.codec.decode(rows[j, :p_len].contiguous(), row_scales[j], out=delta)
-            view = held[j * shard:(j + 1) * shard]
-            view.copy_(view.to(torch.float32).add_(delta))
+        fused = self._fused_for(held)
+        for a, b, p, rows, scales in got:
+            if fused and p % 4 == 0:  # every row's piece into its place in held
+                kernels.decode_add(rows.data_ptr(), n, rows.shape[1], p, b - a, codec.bits, codec.group_size,
+                                   held.data_ptr() + 4 * a, shard)
+                continue
+            delta = None
+            for j in range(n):
+                view = held[j * shard + a:j * shard + b]
+                if delta is None:
+                    delta = torch.empty(b - a, dtype=torch.float32, device=held.device)
+                codec.decode(rows[j, :p].contiguous(), scales[j], out=delta)
+                if held.dtype == torch.float32:
+                    view.add_(delta)
+                else:
+                    view.copy_(view.to(torch.float32).add_(delta))
         return []
 
 
@@ -197,6 +393,8 @@ def codec_groups(cfg) -> list[int]:
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):
     """(gradient reducer, parameter gatherer) for an EngineConfig."""
+    if torch.device(device).type == "cpu":
+        kernels.available()  # build and check the fused kernels now, never inside a round
     spec = parse_grad_codec(cfg.codec)
     grads = PlainGrads() if spec is None else CompressedGrads(
         spec, padded, world, cfg.group_size, cfg.scale_dtype, cfg.loco_beta, cfg.reset_period,

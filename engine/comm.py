@@ -7,6 +7,12 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) or from an already initialised default 
 Reduce-scatter is done as all_to_all_single + a local fp32 sum: gloo's reduce_scatter_tensor
 sends the whole buffer, all_to_all_single sends (N-1)/N of it, and the same path carries packed
 low-bit payloads that collectives cannot sum.
+
+``chunks`` (EngineConfig.comm_chunks) pipelines: ``reduce_scatter_sum`` sends piece k+1 of the
+shard while it sums piece k, and the engine's reducers and gatherers (engine/collectives.py)
+start one async collective per piece with ``all_to_all_start``/``all_gather_start``. Send and
+receive tensors come from ``buffer`` and are reused every round. Pieces start at multiples of
+PIECE_ALIGN values, so that every piece computes the same bits as the whole would.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Comm:
         self.world_size = world_size
         self.chunks = chunks
         self.bytes_sent = 0  # what this worker put on the wire, all rounds together
+        self._buffers: dict = {}  # buffer(): send/receive tensors reused every round
 
     def all_to_all_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Send row j of ``rows`` ([world, L], any dtype) to rank j; returns the rows received
@@ -81,16 +88,59 @@ class Comm:
         self.bytes_sent += (n - 1) * rows[0].numel() * rows.element_size()
         return received
 
+    def buffer(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor kept for ``key`` and reused every round (no per-round allocation of
+        buffer-sized tensors); a new one when the shape, dtype or device changes."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+    def all_to_all_start(self, recv: torch.Tensor, send: torch.Tensor):
+        """Start sending row j of ``send`` ([world, L], contiguous) to rank j into ``recv``;
+        returns the work to wait on (None at world size 1, where it is done)."""
+        if self.world_size == 1:
+            recv.copy_(send)
+            return None
+        self.bytes_sent += (self.world_size - 1) * send[0].numel() * send.element_size()
+        return dist.all_to_all_single(recv, send, async_op=True)
+
+    def all_gather_start(self, recv: torch.Tensor, piece: torch.Tensor):
+        """Start gathering every rank's ``piece`` (contiguous) into flat ``recv`` (rank order);
+        returns the work to wait on (None at world size 1)."""
+        if self.world_size == 1:
+            recv.copy_(piece.view(-1))
+            return None
+        self.bytes_sent += (self.world_size - 1) * piece.numel() * piece.element_size()  # a ring sends N-1 pieces
+        return _all_gather_single(recv, piece, async_op=True)
+
     def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum over workers of ``full``'s shard ``rank``, in fp32."""
+        """Sum over workers of ``full``'s shard ``rank``, in fp32.
+
+        Pipelined over ``chunks`` pieces of the shard: piece k+1 is copied out and on the wire
+        while piece k is summed. Each output value is the same sum of the same rows in the same
+        order whatever the pieces, so the result does not depend on ``chunks``."""
         n = self.world_size
         shard = full.numel() // n
         if out is None:
             out = torch.empty(shard, dtype=torch.float32, device=full.device)
         if n == 1:
             return out.copy_(full)
-        received = self.all_to_all_rows(full.view(n, shard))
-        torch.sum(received, dim=0, dtype=torch.float32, out=out)
+        rows = full.view(n, shard)
+        bounds = chunk_bounds(shard, self.chunks, PIECE_ALIGN)
+        pending: list = []
+        for k, (a, b) in enumerate(bounds):
+            recv = self.buffer(("rs.recv", k), (n, b - a), full.dtype, full.device)
+            if len(bounds) == 1:
+                send = rows  # already contiguous: no copy
+            else:
+                send = self.buffer(("rs.send", k), (n, b - a), full.dtype, full.device)
+                send.copy_(rows[:, a:b])
+            pending.append((a, b, recv, self.all_to_all_start(recv, send)))
+            if len(pending) > 1:  # sum the piece before this one while this one is on the wire
+                _sum_rows(pending.pop(0), out)
+        for item in pending:
+            _sum_rows(item, out)
         return out
 
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -132,7 +182,28 @@ class Comm:
             dist.barrier()
 
 
-def _chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
-    chunks = max(1, min(chunks, size))
-    step = -(-size // chunks)
+# pieces of a pipelined collective start at multiples of this many values: torch's elementwise
+# kernels run whole vectors from the start of a tensor, so a piece computes the same bits as the
+# whole buffer would (and low-bit payload and scale slices stay byte- and word-aligned)
+PIECE_ALIGN = 32
+
+
+def chunk_bounds(size: int, chunks: int, unit: int = 1) -> list[tuple[int, int]]:
+    """``[a, b)`` pieces of ``range(size)``, at most ``chunks``, every ``a`` a multiple of ``unit``
+    (``size`` itself need not be one: the last piece takes the rest)."""
+    if size <= 0:
+        return [(0, 0)]
+    chunks = max(1, min(chunks, -(-size // unit)))
+    step = -(-size // (chunks * unit)) * unit
     return [(a, min(size, a + step)) for a in range(0, size, step)]
+
+
+def _chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
+    return chunk_bounds(size, chunks)
+
+
+def _sum_rows(item, out: torch.Tensor) -> None:
+    a, b, recv, work = item
+    if work is not None:
+        work.wait()
+    torch.sum(recv, dim=0, dtype=torch.float32, out=out[a:b])

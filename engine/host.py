@@ -23,6 +23,20 @@ def nonfinite_rows(rows: torch.Tensor) -> list[int]:
     return [j for j in range(rows.shape[0]) if not bool(finite[j])]
 
 
+def nonfinite_rows_parts(parts: list[torch.Tensor]) -> list[int]:
+    """``nonfinite_rows`` of the 2-D tensors in ``parts`` side by side (the same rows, pieces of
+    their columns, as a pipelined collective receives them): still one host read when all are
+    finite, one more to name the rows when some are not."""
+    parts = [p for p in parts if p.numel()]
+    if len(parts) <= 1:
+        return nonfinite_rows(parts[0]) if parts else []
+    ends = torch.stack([v for p in parts for v in torch.aminmax(p)])
+    if bool(to_host(torch.isfinite(ends).all())):
+        return []
+    finite = to_host(torch.stack([torch.isfinite(p).all(dim=1) for p in parts]).all(dim=0))
+    return [j for j in range(parts[0].shape[0]) if not bool(finite[j])]
+
+
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """1.0 (a 0-d float64 tensor, on x's device) if x holds a NaN or an Inf, else 0.0; no host read."""
     lo, hi = torch.aminmax(x)

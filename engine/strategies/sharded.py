@@ -7,6 +7,23 @@
 
 A strategy changes what a round carries in (``carried``: ACCO's kept estimate half) and what it
 keeps for later (``keep``); the rest is here. Skips and stops follow docs/DESIGN.md section 1.5.
+
+Pipelining (``comm_chunks`` pieces of the shard, engine/collectives.py): inside the
+reduce-scatter, piece k+1 is encoded while piece k is on the wire and piece k-1 is decoded as it
+arrives; after the small all-reduce, the optimizer steps piece k and puts it on the all-gather
+at once, so piece k is on the wire while piece k+1 is being stepped and the pieces already
+received are copied into place. What does not overlap, and why: the all-gather cannot start
+while the reduce-scatter is still running. The optimizer needs, before it may step any piece,
+(1) the clipping coefficient, from the global norm of the whole reduced gradient, (2) the global
+micro-batch count it divides by, and (3) the skip decision (a non-finite gradient on any rank,
+or a reduced sum that overflowed, seen in that norm); all three come from the small all-reduce,
+which needs every piece reduced. Without clipping, (2) and the rank flags could be agreed before
+the reduce-scatter and an overflow caught by the gather's finiteness check instead, but the
+step's reported gradient norm and the reason of a skip would then change: not done. On a link
+that is the bottleneck the two collectives share it anyway; what the pipeline hides is the CPU
+work (encode, decode, optimizer, copies) behind the wire time. The gathered parameters are
+installed only after every piece arrived and all are finite (a replica must never hold half a
+step), so the delta gather's decode into the held parameters runs at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from acco_loco.acco import KeptHalf, RoundKind, step_gradient
-from acco_loco.optim import ShardState, clip_coefficient, propose_step
+from acco_loco.optim import ShardState, clip_coefficient, propose_slice, propose_step
 from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
@@ -59,31 +76,33 @@ class ShardedStrategy(Strategy):
             ctx.grads.begin_step()
 
         t = time.perf_counter()
-        # [what to send] gradient sum of this worker's micro-batches
-        local_bad = nonfinite_flag(full)  # a device flag: the small all-reduce carries it
-        grad_sum = ctx.grads.reduce(comm, full, req.count)
+        # [what to send] gradient sum of this worker's micro-batches; whether it is finite (a
+        # device flag: the small all-reduce carries it)
+        grad_sum, local_bad = reduce_flagged(ctx.grads, comm, full, req.count)
         phases["reduce_scatter"] = (t, time.perf_counter())
 
         t = time.perf_counter()
         kept = self.carried(req)
-        step_sum = step_gradient(req.kind, grad_sum, kept)
+        if req.kind is RoundKind.COMMIT and kept is not None and grad_sum.dtype == kept.grad_sum.dtype:
+            step_sum = grad_sum.add_(kept.grad_sum)  # step_gradient's sum, in this round's own buffer
+        else:
+            step_sum = step_gradient(req.kind, grad_sum, kept)
         totals = agree(ctx, req, step_sum, local_bad, kept)
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)
         grad_norm = math.sqrt(totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else float("nan")
-        # [how to apply] the shard optimizer proposes; nothing is written before the gather
-        proposal = None
-        if not (totals.nonfinite or totals.count == 0):
-            proposal = propose(ctx, step_sum, totals.count, grad_norm, lr)
-        phases["optimizer"] = (t, time.perf_counter())
+        # [how to apply] the shard optimizer proposes piece by piece, each piece on the wire as
+        # soon as it is done; nothing is written before the whole gather is in and finite
+        proposal = None if totals.nonfinite or totals.count == 0 else ctx.shard_state.spare()
+        started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, proposal)
+        phases["optimizer"] = (t, proposed)
 
-        t = time.perf_counter()
-        overflowed = gather_and_install(ctx, req, proposal)
+        overflowed = finish_and_install(ctx, req, proposal)
         if overflowed:
             totals.nonfinite, grad_norm = True, float("nan")
             totals.bad_ranks = sorted(set(totals.bad_ranks) | set(overflowed))
             totals.reason = "non-finite parameters after the update on the shard(s) of"
-        phases["all_gather"] = (t, time.perf_counter())
+        phases["all_gather"] = (started, time.perf_counter())
 
         self.keep(req, grad_sum, totals)
         if req.kind is RoundKind.COMMIT:
@@ -138,6 +157,16 @@ def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_ba
                        [float(t) for t in small[4 + 2 * n:]])
 
 
+def reduce_flagged(grads, comm, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the reduced shard, whether ``full`` held a NaN/Inf as a 0-d device flag); a reducer that
+    found the flag on its way through the gradient leaves it in ``input_nonfinite``."""
+    if getattr(grads, "input_nonfinite", None) is not None:
+        grads.input_nonfinite = None  # never a stale flag from an earlier round
+    grad_sum = grads.reduce(comm, full, count)
+    bad = getattr(grads, "input_nonfinite", None)
+    return grad_sum, nonfinite_flag(full) if bad is None else bad
+
+
 def propose(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float) -> ShardState:
     """The shard optimizer's step on the mean gradient, clipped to max_grad_norm."""
     grad = step_sum / count
@@ -147,13 +176,34 @@ def propose(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: fl
     return propose_step(ctx.shard_state, grad, lr, ctx.spec)
 
 
-def gather_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
-    """Gather every rank's new shard into ctx.gather_buf; a commit installs its proposal when
-    all of them are finite. Returns the ranks whose new parameters were not (then nothing is
+def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
+                    proposal: ShardState | None) -> tuple[float, float]:
+    """Step each piece of the shard into ``proposal`` (the mean gradient, clipped to
+    max_grad_norm: propose()'s bits, piece by piece) and start its all-gather at once; with no
+    proposal (a skipped or empty step) the unchanged master goes out. Returns when the first
+    gather started and when the last piece was stepped."""
+    state, comm = ctx.shard_state, ctx.comm
+    pieces = ctx.params.begin(comm, ctx.gather_buf)
+    coef = clip_coefficient(grad_norm, ctx.cfg.max_grad_norm) if proposal is not None else 1.0
+    scratch = None
+    if proposal is not None and state.exp_avg_sq is not None:
+        scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
+    started = None
+    for k, (a, b) in enumerate(pieces):
+        if proposal is not None:
+            propose_slice(state, step_sum, count, coef, lr, ctx.spec, proposal, a, b, scratch)
+        if started is None:
+            started = time.perf_counter()
+        ctx.params.push(comm, k, proposal.master if proposal is not None else state.master)
+    return started, time.perf_counter()
+
+
+def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
+    """Finish the gather into ctx.gather_buf; a commit installs its proposal when all the new
+    shards are finite. Returns the ranks whose new parameters were not (then nothing is
     installed and the unchanged master is gathered again, as a skipped step does)."""
     state = ctx.shard_state
-    overflowed = ctx.params.gather(ctx.comm, proposal.master if proposal is not None else state.master,
-                                   ctx.gather_buf)
+    overflowed = ctx.params.finish(ctx.comm, ctx.gather_buf)
     if overflowed:
         # every replica sees the same gathered values, so every rank takes this branch
         if ctx.cfg.nan_policy == "stop":
@@ -163,5 +213,13 @@ def gather_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardStat
                 "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
         ctx.params.gather(ctx.comm, state.master, ctx.gather_buf)
     elif proposal is not None and req.kind is RoundKind.COMMIT:
-        state.install(proposal)
+        state.install(proposal, recycle=True)
     return overflowed
+
+
+def gather_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
+    """Gather every rank's new shard into ctx.gather_buf in one go and install as above (the
+    unpipelined form of step_and_gather + finish_and_install, for a proposal already made)."""
+    for k in range(len(ctx.params.begin(ctx.comm, ctx.gather_buf))):
+        ctx.params.push(ctx.comm, k, proposal.master if proposal is not None else ctx.shard_state.master)
+    return finish_and_install(ctx, req, proposal)

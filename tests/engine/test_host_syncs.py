@@ -48,6 +48,8 @@ def counted_to_host(calls: list[int]):
     dict(strategy="acco", codec="sign1", param_codec="int4"),
     dict(strategy="dpu", codec="ef8", param_codec="bfloat16"),
     dict(strategy="acco", codec="fp16"),
+    dict(strategy="acco", codec="loco4", param_codec="int4", comm_chunks=3),  # pipelined pieces
+    dict(strategy="zero1", comm_chunks=3),
 ], ids=lambda kw: "+".join(str(v) for v in kw.values()))
 def test_a_round_reads_the_device_twice(kw, monkeypatch):
     calls: list[int] = []
