@@ -168,15 +168,18 @@ static int encode_row(const float *x, int64_t groups, int g, int bits, float cou
     int64_t pbytes = (int64_t)g * bits / 8;
     for (int64_t k = 0; k < groups; k++) {
         const float *xk = x + k * g;
-        if (divide)
-            for (int i = 0; i < g; i++) h[i] = xk[i] / count;
-        else
-            memcpy(h, xk, (size_t)g * sizeof(float));
         uint8_t *ec = ecodes ? ecodes + k * g : 0;
         float es = escales ? escales[k] : 0.0f;
         if (e_mode == 2) {
             unpack(ec, g, 8, q);
-            for (int i = 0; i < g; i++) h[i] = fmaf((float)q[i], es, h[i]);
+            if (divide)
+                for (int i = 0; i < g; i++) h[i] = fmaf((float)q[i], es, xk[i] / count);
+            else
+                for (int i = 0; i < g; i++) h[i] = fmaf((float)q[i], es, xk[i]);
+        } else if (divide) {
+            for (int i = 0; i < g; i++) h[i] = xk[i] / count;
+        } else {
+            memcpy(h, xk, (size_t)g * sizeof(float));
         }
         int fb = e_mode != 0 && update;
         uint32_t hmax, emax;

@@ -78,14 +78,18 @@ def propose_step(state: ShardState, grad: torch.Tensor, lr: float, spec: Optimiz
 
 
 def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: float, lr: float,
-                  spec: OptimizerSpec, out: ShardState, a: int, b: int, scratch: torch.Tensor | None = None) -> None:
+                  spec: OptimizerSpec, out: ShardState, a: int, b: int, scratch: torch.Tensor | None = None,
+                  fused: bool | None = None) -> None:
     """Values ``[a, b)`` of ``propose_step(state, grad, lr, spec)`` for ``grad = grad_sum / count``
     scaled by ``coef`` when below 1 (clipping), written into ``out``'s tensors: the same bits as
     the whole step (every optimizer here is elementwise), so a round can step the shard piece by
     piece and send each piece as soon as it is done. ``scratch``: fp32, as long as the shard
-    (the fused kernel's square roots)."""
+    (the fused kernel's square roots). ``fused``: what ``can_fuse`` said for these tensors (asked
+    here when None)."""
     sl = slice(a, b)
-    if spec.name == "adamw" and scratch is not None and _fused(grad_sum, state, out):
+    if fused is None:
+        fused = can_fuse(spec, grad_sum, state, out)
+    if fused and scratch is not None:
         from . import kernels
 
         kernels.adamw(grad_sum[sl], count, coef, state.exp_avg[sl], state.exp_avg_sq[sl], state.master[sl],
@@ -107,12 +111,14 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
         getattr(target, name).copy_(t)
 
 
-def _fused(grad_sum: torch.Tensor, *states: ShardState) -> bool:
-    """The fused CPU kernel takes these: fp32, contiguous, on the CPU, and it is built."""
+def can_fuse(spec: OptimizerSpec, grad_sum: torch.Tensor, *states: ShardState) -> bool:
+    """Whether propose_slice steps these with the fused CPU kernel (AdamW; fp32, contiguous, on
+    the CPU, and the kernels are built)."""
     from . import kernels
 
     tensors = [grad_sum] + [t for s in states for t in s.tensors().values()]
-    return (all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors) and kernels.available())
+    return (spec.name == "adamw" and all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors)
+            and kernels.available())
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

@@ -332,7 +332,9 @@ class DeltaParams(_Gatherer):
         recv = comm.buffer(("params.recv", k), (comm.world_size * (p + s),), torch.uint8, dev)
         lo = comm.rank * self._shard
         mine, new = held[lo + a:lo + b], new_shard[a:b]
-        if self._fused_for(held, new) and p % 4 == 0:
+        if self._fused_now is None:  # once a round
+            self._fused_now = self._fused_for(held, new_shard)
+        if self._fused_now and p % 4 == 0:
             kernels.delta_encode(new.data_ptr(), mine.data_ptr(), b - a, codec.bits, codec.group_size,
                                  send.data_ptr(), p)
         else:
@@ -345,7 +347,7 @@ class DeltaParams(_Gatherer):
         self._pending.append((k, recv, comm.all_gather_start(recv, send)))
 
     def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
-        self._held = held
+        self._held, self._fused_now = held, None
         return super().begin(comm, held)
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:

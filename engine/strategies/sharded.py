@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from acco_loco.acco import KeptHalf, RoundKind, step_gradient
-from acco_loco.optim import ShardState, clip_coefficient, propose_slice, propose_step
+from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slice, propose_step
 from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
@@ -185,13 +185,15 @@ def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_
     state, comm = ctx.shard_state, ctx.comm
     pieces = ctx.params.begin(comm, ctx.gather_buf)
     coef = clip_coefficient(grad_norm, ctx.cfg.max_grad_norm) if proposal is not None else 1.0
-    scratch = None
-    if proposal is not None and state.exp_avg_sq is not None:
-        scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
+    scratch, fused = None, False
+    if proposal is not None:
+        fused = can_fuse(ctx.spec, step_sum, state, proposal)
+        if fused:
+            scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
     started = None
     for k, (a, b) in enumerate(pieces):
         if proposal is not None:
-            propose_slice(state, step_sum, count, coef, lr, ctx.spec, proposal, a, b, scratch)
+            propose_slice(state, step_sum, count, coef, lr, ctx.spec, proposal, a, b, scratch, fused)
         if started is None:
             started = time.perf_counter()
         ctx.params.push(comm, k, proposal.master if proposal is not None else state.master)
