@@ -27,8 +27,14 @@ gloo cost nothing there), and prints the heaviest functions and the round's main
 
 Measured on the 2-core development machine (CPU, gloo over loopback, torch 2.13, one intra-op
 thread per worker, comm_chunks 8 as in the benchmark), with
-``python benchmarks/round_cpu.py --rounds 24`` (the table; ``--profile`` for where the comm thread's
-CPU goes). BEFORE (commit 14efa18), per round, medians:
+
+    python benchmarks/round_cpu.py --rounds 24        (BEFORE; AFTER with --rounds 48)
+
+and ``--profile`` for where the comm thread's CPU goes. The machine is shared and its figures
+drift by 15-20% from run to run, so AFTER was measured A/B: the tree of commit 6a4478e (the
+engine before this work) and this one, run back to back twice, 48 rounds each.
+
+BEFORE (commit 14efa18's engine, first measurement, 24 rounds), per round, medians:
 
     mode                          acco+loco4+int4params      acco     zero1
     comm-side CPU (ms)                            65.9       39.7      35.5
@@ -44,6 +50,36 @@ CPU goes). BEFORE (commit 14efa18), per round, medians:
     pack the rest), all_to_all 1.7, owner decode of the received rows 15.7, small all-reduce and
     norm 1.1, fp32 AdamW proposal 8.8, delta all-gather + install 18.6 (the all_gather itself
     1.3). About 40 full-buffer passes of separate torch ops, each allocating its result.
+
+AFTER, A/B (before | after, two pairs of runs, 48 rounds each, ms per round, medians):
+
+    mode                          acco+loco4+int4params      acco             zero1
+    comm-side CPU         pair 1      91.2 | 26.6  3.42x   43.6 | 38.8  1.13x   47.9 | 42.8  1.12x
+                          pair 2      76.0 | 21.6  3.52x   44.9 | 34.6  1.30x   43.3 | 35.6  1.22x
+    comm thread CPU       pair 1      81.9 | 18.5  4.42x   25.6 | 20.2  1.27x   26.7 | 21.2  1.25x
+                          pair 2      70.4 | 16.2  4.33x   26.0 | 17.9  1.45x   24.6 | 17.9  1.37x
+    gloo + other threads  pair 2       5.4 |  3.8           10.8 |  9.2          11.9 | 11.0
+    phase walls rs / opt / ag, pair 1
+                      before   107.5 / 27.4 / 51.3   178.0 / 28.5 / 27.4   24.3 / 15.4 / 19.8
+                      after     28.8 / 23.1 / 25.1   117.0 / 25.1 / 35.4   26.5 / 16.5 / 24.8
+    round span, pair 1 (ms)    186.5 | 63.8          238.5 | 165.5         62.5 | 58.3
+    phases summed / span        1.00 | 1.12-1.32      1.00 | 1.15-1.25      1.00 | 1.19-1.23
+    bytes sent per round       2.570 MB (unchanged)  19.352 MB (unchanged)  19.352 MB
+
+(The reduce-scatter's wall time waits on the peer, whose comm thread shares a core with its
+training loop: it swings by 3x between runs; the CPU figures do not.) Against the limit: at
+100 Mbit/s the 2.57 MB of acco+loco4+int4params take 205.6 ms of wire per round, and the comm
+side's CPU is now 0.11-0.13 of that (0.32-0.40 before). At loopback the CPU is the limit: the
+round costs ~16-20 fp32 passes over the 4.84M-value buffer (a copy pass is 1.0-1.4 ms here),
+against 50-65 before. What is left on the comm thread (--profile, ms per round): the fused
+encode 3.6 (one read of the gradient and of the int8 error state, one write of the error state
+and the payload; compute-bound on two divisions per value, which bit-identity keeps), AdamW 3.5
++ torch.sqrt 1.4 (moments, square root, parameters: three passes over the shard, memory-bound;
+the square root stays torch's, whose bits C's sqrtf does not reproduce), the parameter delta
+1.0 + its decode into every replica 1.1, the owner's decode 0.8, the collectives' calls ~1.5,
+the norm 0.3, Python ~2. With ``--comm-chunks 1`` (no pipelining) the comm side takes 18.5 ms:
+each piece costs ~0.5 ms of CPU (its collective calls and gloo's wake-ups), the price of the
+overlap.
 """
 
 from __future__ import annotations
@@ -67,17 +103,26 @@ PHASES = ("reduce_scatter", "optimizer", "all_gather")
 STAGES = (
     ("run_round (all the comm thread does)", "strategies/sharded.py", "run_round"),
     ("gradient reduce (encode + all-to-all + decode)", "engine/collectives.py", "reduce"),
-    ("  encode: compensate + quantize + pack + error update", "engine/collectives.py", "encode"),
+    ("  torch path: compensate + quantize + pack + update", "engine/collectives.py", "encode"),
     ("    error feedback: compensate", "acco_loco/feedback.py", "compensate"),
     ("    error feedback: update", "acco_loco/feedback.py", "update"),
     ("    pack_bits", "acco_loco/bitpack.py", "pack_bits"),
-    ("  all_to_all_rows", "engine/comm.py", "all_to_all_rows"),
-    ("  decode (owner)", "acco_loco/codecs.py", "decode"),
+    ("  fused kernel: encode", "acco_loco/kernels.py", "encode"),
+    ("  all_to_all (before: all_to_all_rows)", "engine/comm.py", "all_to_all_rows"),
+    ("  all_to_all pieces started", "engine/comm.py", "all_to_all_start"),
+    ("  torch path: decode (owner)", "acco_loco/codecs.py", "decode"),
     ("    unpack_bits", "acco_loco/bitpack.py", "unpack_bits"),
+    ("  fused kernel: decode_sum (owner)", "acco_loco/kernels.py", "decode_sum"),
     ("small all-reduce + norm (agree)", "strategies/sharded.py", "agree"),
-    ("optimizer proposal (fp32 AdamW on the shard)", "strategies/sharded.py", "propose"),
-    ("parameter all-gather + install", "strategies/sharded.py", "gather_and_install"),
-    ("  all_gather", "engine/comm.py", "all_gather"),
+    ("optimizer, before: propose (fp32 AdamW)", "strategies/sharded.py", "propose"),
+    ("optimizer + gather pieces started (step_and_gather)", "strategies/sharded.py", "step_and_gather"),
+    ("  optimizer pieces (propose_slice)", "acco_loco/optim.py", "propose_slice"),
+    ("    fused kernel: adamw (with torch.sqrt)", "acco_loco/kernels.py", "adamw"),
+    ("  fused kernel: delta_encode", "acco_loco/kernels.py", "delta_encode"),
+    ("parameter all-gather + install, before", "strategies/sharded.py", "gather_and_install"),
+    ("gather finished + install (finish_and_install)", "strategies/sharded.py", "finish_and_install"),
+    ("  fused kernel: decode_add", "acco_loco/kernels.py", "decode_add"),
+    ("  all_gather (before)", "engine/comm.py", "all_gather"),
     ("nonfinite checks", "engine/host.py", "nonfinite_rows"),
 )
 
@@ -110,8 +155,6 @@ def _thread_cpu() -> dict[str, float]:
 def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: bool) -> dict:
     import cProfile
     import pstats
-
-    import torch
 
     from acco_loco.acco import PLANS
     from benchmarks.worker import build_data, build_model
@@ -195,7 +238,7 @@ def _profile_summary(stats, rounds: int) -> dict:
             if func == name and file.replace("\\", "/").endswith(suffix):
                 cum += ct
         stages.append((label, cum / rounds))
-    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:20]
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:40]
     heavy = [(f"{os.path.basename(file)}:{line}({func})", tt / rounds, nc / rounds)
              for (file, line, func), (_, nc, tt, _, _) in top]
     return {"stages": stages, "top": heavy}
@@ -262,9 +305,10 @@ def print_compare(results: dict[str, dict], before: dict[str, dict]) -> None:
 def print_profile(name: str, prof: dict) -> None:
     print(f"\ncomm thread CPU per round, {name} (cProfile, thread CPU clock, rank 0)")
     for label, s in prof["stages"]:
-        print(f"  {label.ljust(56)}{ms(s)} ms")
+        if s > 0:
+            print(f"  {label.ljust(56)}{ms(s)} ms")
     print("  heaviest functions (own CPU per round, calls per round):")
-    for fn, tt, nc in prof["top"][:14]:
+    for fn, tt, nc in prof["top"][:16]:
         print(f"    {fn[:70].ljust(72)}{ms(tt)} ms {nc:7.1f}")
 
 
