@@ -26,9 +26,11 @@ the kernel calls ``fmaf``; everywhere else it rounds each operation as torch doe
 same flags, scales and decisions as torch; the codes of a non-finite group (never used: the
 step is skipped and the error state rolled back) may differ.
 
-Building: the first use compiles the source below with ``$CC`` (else ``cc``/``gcc``) into a
-shared library cached under ``$ACCO_LOCO_KERNEL_CACHE`` (default ``~/.cache/acco_loco``), keyed by
-the source, the flags, the compiler and the CPU (``-march=native``); well under a second. Then a
+Building: the first use compiles the source below (C, in an ``extern "C"`` block) with
+``torch.utils.cpp_extension.load`` (ninja and the C++ compiler torch is set up with; a pip
+dependency and the system's g++) into a shared library cached under ``$ACCO_LOCO_KERNEL_CACHE``
+(default ``~/.cache/acco_loco``), keyed by the source, the flags, the CPU (``-march=native``) and
+the torch version; about 1.5 s. The C entry points are bound with ctypes. Then a
 self-check runs every kernel against the torch code on a few random groups of every supported
 shape and keeps the kernels only if all bits agree. Any failure (no compiler, a mismatch, a
 non-CPU tensor, an unsupported codec) means the torch path, which stays the reference: nothing
@@ -42,8 +44,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,7 +53,7 @@ import torch
 log = logging.getLogger("acco_loco")
 
 MAX_GROUP = 4096  # the kernels keep one group on the stack
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -311,13 +311,6 @@ _state = "unbuilt"  # unbuilt | ready | off
 _lock = threading.Lock()
 
 
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
 def _cpu_key() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -326,12 +319,7 @@ def _cpu_key() -> str:
         return sys.platform
 
 
-def _build() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (set CC, or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_key()]).encode()).hexdigest()[:20]
+def _cache_dir() -> str:
     cache = os.environ.get("ACCO_LOCO_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "acco_loco")
     try:
@@ -339,17 +327,26 @@ def _build() -> ctypes.CDLL:
     except OSError:  # no writable home: the temporary directory
         cache = os.path.join(tempfile.gettempdir(), f"acco_loco-{os.getuid() if hasattr(os, 'getuid') else 0}")
         os.makedirs(cache, exist_ok=True)
-    path = os.path.join(cache, f"kernels-{key}.so")
-    if not os.path.exists(path):
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "kernels.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "kernels.so")
-            done = subprocess.run([cc, *_FLAGS, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(out, path)  # atomic: a peer process building the same file meanwhile is harmless
+    return cache
+
+
+def _build() -> ctypes.CDLL:
+    """Compile the source through torch's extension builder (ninja and the C++ compiler torch
+    is set up with; it locks the build directory, so concurrent processes build once), cached per
+    source, flags, CPU and torch version; then bind the C entry points with ctypes."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), _cpu_key(), torch.__version__]).encode()).hexdigest()[:20]
+    build_dir = os.path.join(_cache_dir(), f"kernels-{key}")
+    os.makedirs(build_dir, exist_ok=True)
+    src = os.path.join(build_dir, "kernels.cpp")
+    if not os.path.exists(src):
+        tmp = f"{src}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write('extern "C" {\n' + _SOURCE + "\n}\n")  # plain C entry points, no name mangling
+        os.replace(tmp, src)  # atomic: a peer process writing the same file meanwhile is harmless
+    path = cpp_extension.load(name=f"acco_loco_kernels_{key}", sources=[src], extra_cflags=_FLAGS,
+                              build_directory=build_dir, is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.encode.argtypes = [p, i64, i64, i64, i32, i32, f32, i32, p, p, i32, i32, f32, f32, i32, p, i64, i64]
