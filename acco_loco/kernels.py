@@ -1,6 +1,6 @@
-"""Fused CPU kernels for the comm side's hot loops, in C, built with the system's C compiler
-and called through ctypes; each one computes, bit for bit, what the torch code it replaces
-computes, in one pass over its buffer instead of a dozen.
+"""Fused CPU kernels for the comm side's hot loops, in C (acco_loco/kernels.c), built through
+torch.utils.cpp_extension and called through ctypes; each one computes, bit for bit, what the
+torch code it replaces computes, in one pass over its buffer instead of a dozen.
 
 Why: on CPU the torch path of a LoCo round is ~40 separate full-buffer passes (each op reads
 and writes the whole buffer and allocates its result); here the work of one quantization group
