@@ -153,41 +153,20 @@ def _thread_cpu() -> dict[str, float]:
 
 
 def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: bool) -> dict:
-    import cProfile
+    """One rank's figures for one mode: warm up, then the measured rounds (spawned per rank)."""
     import pstats
 
     from acco_loco.acco import PLANS
-    from benchmarks.worker import build_data, build_model
-    from engine import Engine, EngineConfig
-    from lm.data import hf_lm_loss
 
     args = argparse.Namespace(**args_d)
-    tok, stream, _ = build_data(_spec(args), rank, world)
-    model = build_model(_spec(args), len(tok))
     per_step = PLANS[mode_kwargs["strategy"]].rounds_per_step
-    warm_steps = max(1, args.warmup // per_step)
-    steps = max(1, args.rounds // per_step)
-    cfg = EngineConfig(**mode_kwargs, accumulation="fixed", micro_batches=1, max_steps=warm_steps + steps,
-                       optimizer="adamw", lr=5e-4, max_grad_norm=1.0, compute_dtype="float32", seed=0,
-                       comm_chunks=args.comm_chunks, group_size=128, record_timeline=True)
-    engine = Engine(model, cfg, loss_fn=hf_lm_loss)
-    prof = cProfile.Profile(timer=time.thread_time) if profile and rank == 0 else None
-    if prof is not None:
-        real = engine.strategy.run_round
-
-        def run_round(ctx, req):
-            prof.enable()  # on the comm thread: cProfile follows the thread that enables it
-            try:
-                return real(ctx, req)
-            finally:
-                prof.disable()
-
-        engine.strategy.run_round = run_round
-    it = stream.iter_from(0)
+    warm_steps, steps = max(1, args.warmup // per_step), max(1, args.rounds // per_step)
+    engine, it = _build_engine(args, rank, world, mode_kwargs, warm_steps + steps)
+    prof = _profile_comm_thread(engine) if profile and rank == 0 else None
     engine.fit(it, steps=warm_steps)
     if prof is not None:
         prof.disable()
-        prof = cProfile.Profile(timer=time.thread_time)  # count the measured rounds only
+        prof = _profile_comm_thread(engine)  # count the measured rounds only
     engine.comm.barrier()
     first_round, first_cpu = engine.round_index, len(engine.comm_cpu_s)
     bytes0, cpu0, t0 = engine.comm.bytes_sent, _thread_cpu(), time.perf_counter()
@@ -197,10 +176,62 @@ def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: boo
     rounds = engine.round_index - first_round
     engine.close()
 
+    threads = {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / rounds for k in cpu1}
+    out = {
+        "rounds": rounds, "wall_per_round_s": wall / rounds,
+        "comm_cpu_s": engine.comm_cpu_s[first_cpu:],
+        "comm_thread_cpu_s": threads.get("acco-loco-comm", 0.0),
+        "other_thread_cpu_s": sum(v for k, v in threads.items() if k not in ("acco-loco-comm", "python")
+                                  and not k.startswith("pt_")),
+        **_timeline_summary(engine.timeline, first_round),
+        "bytes_per_round": (bytes1 - bytes0) / rounds, "padded": engine.flat.padded,
+        "numel": engine.flat.numel,
+    }
+    if prof is not None:
+        out["profile"] = _profile_summary(pstats.Stats(prof), rounds)
+    return out
+
+
+def _build_engine(args, rank: int, world: int, mode_kwargs: dict, max_steps: int):
+    """The benchmark's model and data under one mode, and this rank's micro-batch iterator."""
+    from benchmarks.worker import build_data, build_model
+    from engine import Engine, EngineConfig
+    from lm.data import hf_lm_loss
+
+    tok, stream, _ = build_data(_spec(args), rank, world)
+    model = build_model(_spec(args), len(tok))
+    cfg = EngineConfig(**mode_kwargs, accumulation="fixed", micro_batches=1, max_steps=max_steps,
+                       optimizer="adamw", lr=5e-4, max_grad_norm=1.0, compute_dtype="float32", seed=0,
+                       comm_chunks=args.comm_chunks, group_size=128, record_timeline=True)
+    return Engine(model, cfg, loss_fn=hf_lm_loss), stream.iter_from(0)
+
+
+def _profile_comm_thread(engine):
+    """A cProfile (thread CPU clock) around every round the comm thread runs."""
+    import cProfile
+
+    prof = cProfile.Profile(timer=time.thread_time)
+    real = getattr(engine.strategy.run_round, "__wrapped__", engine.strategy.run_round)
+
+    def run_round(ctx, req):
+        prof.enable()  # on the comm thread: cProfile follows the thread that enables it
+        try:
+            return real(ctx, req)
+        finally:
+            prof.disable()
+
+    run_round.__wrapped__ = real
+    engine.strategy.run_round = run_round
+    return prof
+
+
+def _timeline_summary(timeline: list, first_round: int) -> dict:
+    """Median phase walls, round span, phases summed and compute per round, from round
+    ``first_round`` on."""
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
     spans: dict[int, list[float]] = {}
     compute: dict[int, float] = {}
-    for phase, _, a, b, index in engine.timeline:
+    for phase, _, a, b, index in timeline:
         if index < first_round:
             continue
         if phase == "compute":
@@ -209,24 +240,11 @@ def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: boo
         phases.setdefault(phase, []).append(b - a)
         lo, hi = spans.get(index, [a, b])
         spans[index] = [min(lo, a), max(hi, b)]
-    round_s = [hi - lo for lo, hi in spans.values()]
     phase_sum = [sum(v) for v in zip(*(phases[p] for p in PHASES))]
-    threads = {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / rounds for k in cpu1}
-    out = {
-        "rounds": rounds, "wall_per_round_s": wall / rounds,
-        "comm_cpu_s": engine.comm_cpu_s[first_cpu:],
-        "comm_thread_cpu_s": threads.get("acco-loco-comm", 0.0),
-        "other_thread_cpu_s": sum(v for k, v in threads.items() if k not in ("acco-loco-comm", "python")
-                                  and not k.startswith("pt_")),
-        "phase_s": {p: statistics.median(v) for p, v in phases.items() if v},
-        "round_s": statistics.median(round_s), "phase_sum_s": statistics.median(phase_sum),
-        "compute_s": statistics.median(compute.values()) if compute else 0.0,
-        "bytes_per_round": (bytes1 - bytes0) / rounds, "padded": engine.flat.padded,
-        "numel": engine.flat.numel,
-    }
-    if prof is not None:
-        out["profile"] = _profile_summary(pstats.Stats(prof), rounds)
-    return out
+    return {"phase_s": {p: statistics.median(v) for p, v in phases.items() if v},
+            "round_s": statistics.median(hi - lo for lo, hi in spans.values()),
+            "phase_sum_s": statistics.median(phase_sum),
+            "compute_s": statistics.median(compute.values()) if compute else 0.0}
 
 
 def _profile_summary(stats, rounds: int) -> dict:
