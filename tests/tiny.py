@@ -128,5 +128,17 @@ class Reference:
         return out
 
 
+def mean_grad_f64(model, theta: torch.Tensor, batches) -> torch.Tensor:
+    """The mean micro-batch gradient of a float64 model at ``theta`` (a flat vector)."""
+    params = list(model.parameters())
+    torch.nn.utils.vector_to_parameters(theta, params)
+    total = torch.zeros_like(theta)
+    for x, y in batches:
+        model.zero_grad()
+        mse_loss(model, (x.double(), y.double())).backward()
+        total += torch.nn.utils.parameters_to_vector([p.grad for p in params])
+    return total / len(batches)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())

@@ -12,7 +12,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.local_group import spawn
-from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
+from tests.tiny import Reference, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, STEPS, LR = 2, 10, 1e-2
 
@@ -29,18 +29,6 @@ def train(rank: int, world: int, kw: dict):
     return {"snaps": snaps, "bytes": [h["wire_bytes"] for h in history]}
 
 
-def mean_grads(model, theta: torch.Tensor, batches) -> torch.Tensor:
-    """The mean micro-batch gradient at ``theta`` in float64."""
-    params = list(model.parameters())
-    torch.nn.utils.vector_to_parameters(theta, params)
-    total = torch.zeros_like(theta)
-    for x, y in batches:
-        model.zero_grad()
-        mse_loss(model, (x.double(), y.double())).backward()
-        total += torch.nn.utils.parameters_to_vector([p.grad for p in params])
-    return total / len(batches)
-
-
 def fp16_reference(world: int) -> list[torch.Tensor]:
     """zero1 + AdamW where each worker's mean gradient crosses the wire as fp16."""
     model = copy.deepcopy(tiny_model(0)).double()
@@ -49,7 +37,7 @@ def fp16_reference(world: int) -> list[torch.Tensor]:
     streams = [worker_stream(r, K * (STEPS + 1)) for r in range(world)]
     out = []
     for t in range(STEPS):
-        sent = [mean_grads(model, theta.detach(), s[t * K:(t + 1) * K]).float().half().double() for s in streams]
+        sent = [mean_grad_f64(model, theta.detach(), s[t * K:(t + 1) * K]).float().half().double() for s in streams]
         theta.grad = sum(sent) / world  # equal counts: the count-weighted mean is the plain mean
         opt.step()
         out.append(theta.detach().clone())
@@ -63,7 +51,7 @@ def local_sgd_reference(world: int, period: int) -> list[torch.Tensor]:
     streams = [worker_stream(r, K * (STEPS + 1)) for r in range(world)]
     out = []
     for t in range(STEPS):
-        thetas = [th - LR * mean_grads(model, th, s[t * K:(t + 1) * K]) for th, s in zip(thetas, streams)]
+        thetas = [th - LR * mean_grad_f64(model, th, s[t * K:(t + 1) * K]) for th, s in zip(thetas, streams)]
         if (t + 1) % period == 0:
             avg = sum(thetas) / world
             thetas = [avg.clone() for _ in range(world)]

@@ -17,7 +17,7 @@ from engine import Engine, EngineConfig
 from engine.local_group import spawn
 from engine.rounds import NonFiniteGradientError
 from engine.strategies import diloco, sparseloco
-from tests.tiny import flat_params, mse_loss, rel_err, tiny_model, worker_stream
+from tests.tiny import flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, H, ROUNDS, LR, WD = 2, 3, 3, 1e-2, 0.1
 OUTER = {"inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9, "topk_chunk": 32, "topk_density": 0.25,
@@ -53,17 +53,6 @@ def _variants(rank: int, world: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ the reference
-def mean_grad(model, theta: torch.Tensor, batches) -> torch.Tensor:
-    params = list(model.parameters())
-    torch.nn.utils.vector_to_parameters(theta, params)
-    total = torch.zeros_like(theta)
-    for x, y in batches:
-        model.zero_grad()
-        mse_loss(model, (x.double(), y.double())).backward()
-        total += torch.nn.utils.parameters_to_vector([p.grad for p in params])
-    return total / len(batches)
-
-
 def topk_2bit(e: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tensor:
     """What SparseLoCo sends of e, decoded: per chunk the k largest |e| (lower index first among
     equals), sign x a magnitude level on the uniform grid of 2^(bits-1) levels over [lo, hi]."""
@@ -107,7 +96,7 @@ class LocalReference:
         for _ in range(steps):
             start, self.cursor[w] = self.cursor[w], self.cursor[w] + K
             g = torch.zeros(self.size, dtype=torch.float64)
-            g[:NUMEL] = mean_grad(self.model, theta.detach()[:NUMEL].clone(), self.streams[w][start:start + K])
+            g[:NUMEL] = mean_grad_f64(self.model, theta.detach()[:NUMEL].clone(), self.streams[w][start:start + K])
             theta.grad = g
             opt.step()
 
