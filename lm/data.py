@@ -245,29 +245,36 @@ def split_heldout(
         raise ValueError("pass either heldout (document names) or heldout_fraction, not both")
 
     if heldout_fraction is not None:
-        if not 0.0 < heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
-        train, held = [], []
-        for name, text in docs:
-            if len(text) < 2:
-                train.append((name, text))
-                continue
-            head, tail = _cut_tail(text, heldout_fraction)
-            train.append((f"{name}:train", head))
-            held.append((f"{name}:heldout", tail))
-        return train, held
-
+        return _split_tails(docs, heldout_fraction)
     if heldout is None:
-        if any(_name_matches(name, _DEFAULT_HELDOUT) for name, _ in docs):
-            heldout = _DEFAULT_HELDOUT
-        else:
+        if not any(_name_matches(name, _DEFAULT_HELDOUT) for name, _ in docs):
             if len(docs) == 1:
                 raise ValueError(
                     f"only one document ({docs[0][0]!r}): nothing can be held out whole; pass "
                     "heldout_fraction (e.g. 0.1 = evaluate on the last 10% of its text)"
                 )
             return docs[:-1], docs[-1:]
+        heldout = _DEFAULT_HELDOUT
+    return _split_by_name(docs, heldout)
 
+
+def _split_tails(docs: list[Document], fraction: float) -> tuple[list[Document], list[Document]]:
+    """The last ``fraction`` of every document's text held out (names get :train / :heldout)."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {fraction}")
+    train, held = [], []
+    for name, text in docs:
+        if len(text) < 2:
+            train.append((name, text))
+            continue
+        head, tail = _cut_tail(text, fraction)
+        train.append((f"{name}:train", head))
+        held.append((f"{name}:heldout", tail))
+    return train, held
+
+
+def _split_by_name(docs: list[Document], heldout: str) -> tuple[list[Document], list[Document]]:
+    """The documents named in ``heldout`` (comma-separated) held out whole."""
     wanted = [w for w in heldout.split(",") if w.strip()]
     if not wanted:
         raise ValueError(f"empty heldout name {heldout!r}")
