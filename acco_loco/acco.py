@@ -76,8 +76,12 @@ class KeptHalf:
 def step_gradient(kind: RoundKind, grad_sum: torch.Tensor, kept: KeptHalf | None) -> torch.Tensor:
     """Gradient sum a round's optimizer step uses (its count adds ``kept.count`` likewise).
 
-    An ACCO commit adds the kept estimate half; every other round uses its own sum alone.
+    An ACCO commit adds the kept estimate half, into ``grad_sum`` itself (the round's own
+    buffer, not needed apart afterwards) when the dtypes agree; every other round uses its own
+    sum alone.
     """
     if kind is RoundKind.COMMIT and kept is not None:
+        if grad_sum.dtype == kept.grad_sum.dtype:
+            return grad_sum.add_(kept.grad_sum)
         return grad_sum + kept.grad_sum
     return grad_sum

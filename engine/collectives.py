@@ -373,11 +373,9 @@ class DeltaParams(_Gatherer):
                 kernels.decode_add(rows.data_ptr(), n, rows.shape[1], p, b - a, codec.bits, codec.group_size,
                                    held.data_ptr() + 4 * a, shard)
                 continue
-            delta = None
+            delta = torch.empty(b - a, dtype=torch.float32, device=held.device)
             for j in range(n):
                 view = held[j * shard + a:j * shard + b]
-                if delta is None:
-                    delta = torch.empty(b - a, dtype=torch.float32, device=held.device)
                 codec.decode(rows[j, :p].contiguous(), scales[j], out=delta)
                 if held.dtype == torch.float32:
                     view.add_(delta)

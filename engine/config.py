@@ -404,7 +404,6 @@ def describe_settings() -> dict[str, Setting]:
     found = [("engine", f) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
     found += [(sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     flat_name = {key: name for name, key in FLAT.items()}
-    settings = [Setting(flat_name.get((sec, f.name), f.name), sec, str(f.type), f.default,
-                        f.metadata["help"], None) for sec, f in found]
-    return {s.name: dataclasses.replace(s, choices=getattr(_RULES[s.name], "options", None))
-            for s in settings}
+    names = [(flat_name.get((sec, f.name), f.name), sec, f) for sec, f in found]
+    return {name: Setting(name, sec, str(f.type), f.default, f.metadata["help"],
+                          getattr(_RULES[name], "options", None)) for name, sec, f in names}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from acco_loco.acco import KeptHalf, RoundKind, step_gradient
-from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slice, propose_step
+from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slice
 from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
@@ -83,10 +83,7 @@ class ShardedStrategy(Strategy):
 
         t = time.perf_counter()
         kept = self.carried(req)
-        if req.kind is RoundKind.COMMIT and kept is not None and grad_sum.dtype == kept.grad_sum.dtype:
-            step_sum = grad_sum.add_(kept.grad_sum)  # step_gradient's sum, in this round's own buffer
-        else:
-            step_sum = step_gradient(req.kind, grad_sum, kept)
+        step_sum = step_gradient(req.kind, grad_sum, kept)
         totals = agree(ctx, req, step_sum, local_bad, kept)
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)
@@ -167,19 +164,10 @@ def reduce_flagged(grads, comm, full: torch.Tensor, count: int) -> tuple[torch.T
     return grad_sum, nonfinite_flag(full) if bad is None else bad
 
 
-def propose(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float) -> ShardState:
-    """The shard optimizer's step on the mean gradient, clipped to max_grad_norm."""
-    grad = step_sum / count
-    coef = clip_coefficient(grad_norm, ctx.cfg.max_grad_norm)
-    if coef < 1.0:
-        grad.mul_(coef)
-    return propose_step(ctx.shard_state, grad, lr, ctx.spec)
-
-
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
                     proposal: ShardState | None) -> tuple[float, float]:
     """Step each piece of the shard into ``proposal`` (the mean gradient, clipped to
-    max_grad_norm: propose()'s bits, piece by piece) and start its all-gather at once; with no
+    max_grad_norm: propose_step's bits, piece by piece) and start its all-gather at once; with no
     proposal (a skipped or empty step) the unchanged master goes out. Returns when the first
     gather started and when the last piece was stepped."""
     state, comm = ctx.shard_state, ctx.comm
@@ -218,10 +206,3 @@ def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardStat
         state.install(proposal, recycle=True)
     return overflowed
 
-
-def gather_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
-    """Gather every rank's new shard into ctx.gather_buf in one go and install as above (the
-    unpipelined form of step_and_gather + finish_and_install, for a proposal already made)."""
-    for k in range(len(ctx.params.begin(ctx.comm, ctx.gather_buf))):
-        ctx.params.push(ctx.comm, k, proposal.master if proposal is not None else ctx.shard_state.master)
-    return finish_and_install(ctx, req, proposal)
