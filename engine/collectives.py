@@ -388,7 +388,9 @@ def codec_groups(cfg) -> list[int]:
     """The group sizes the configured codecs need every shard to be a multiple of."""
     spec = parse_grad_codec(cfg.codec)
     groups = [] if spec is None else [spec.make_wire(cfg.group_size, cfg.scale_dtype).group_size]
-    return groups + ([cfg.group_size] if cfg.param_codec in PARAM_DELTA_CODECS else [])
+    # onebit_adam sends its momentum in sign1 groups after the warmup (docs/DESIGN.md section 9)
+    own = cfg.param_codec in PARAM_DELTA_CODECS or cfg.strategy == "onebit_adam"
+    return groups + ([cfg.group_size] if own else [])
 
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):

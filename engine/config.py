@@ -132,6 +132,23 @@ class OuterConfig:
 
 
 @dataclass
+class OnebitConfig:
+    """1-bit Adam (strategy onebit_adam, docs/DESIGN.md section 9): AdamW until the second moment
+    is frozen, then the momentum travels as 1 bit a value each way."""
+
+    onebit_warmup_steps: int | None = setting(None, "onebit_adam: AdamW steps before the second moment is "
+                                              "frozen; none = when it has stabilised (onebit_window, "
+                                              "onebit_tolerance, onebit_min_warmup, onebit_max_warmup_fraction)")
+    onebit_window: int = setting(10, "onebit_adam, variance rule: compare the L1 norm of the bias-corrected "
+                                 "second moment with its value this many AdamW steps earlier")
+    onebit_tolerance: float = setting(0.05, "onebit_adam, variance rule: freeze once that norm moved by at most "
+                                      "this fraction over the window")
+    onebit_min_warmup: int = setting(20, "onebit_adam, variance rule: never freeze before this many AdamW steps")
+    onebit_max_warmup_fraction: float = setting(0.25, "onebit_adam, variance rule: freeze at the latest after "
+                                                "this fraction of max_steps")
+
+
+@dataclass
 class RuntimeConfig:
     """Failure detection, checkpoints, progress and debugging."""
 
@@ -146,7 +163,8 @@ class RuntimeConfig:
 
 
 SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
-            "comm": CommunicationConfig, "outer": OuterConfig, "runtime": RuntimeConfig}
+            "comm": CommunicationConfig, "outer": OuterConfig, "onebit": OnebitConfig,
+            "runtime": RuntimeConfig}
 # the flat keywords of earlier releases (and of the README's example) -> (section, field)
 _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
@@ -169,7 +187,8 @@ class EngineConfig:
                             "with compute; local_sgd = parameter averaging every round; diloco = inner AdamW "
                             "steps alone, outer Nesterov SGD on the averaged pseudo-gradient every "
                             "inner_steps; sparseloco = the same with error feedback and a top-k 2-bit "
-                            "pseudo-gradient")
+                            "pseudo-gradient; onebit_adam = 1-bit Adam: AdamW warmup, then the frozen-variance "
+                            "momentum as 1 bit a value each way")
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
     nan_policy: str = setting("skip", "on a non-finite gradient or update: skip the step everywhere, or stop")
@@ -179,6 +198,7 @@ class EngineConfig:
     accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
     comm: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    onebit: OnebitConfig = dataclasses.field(default_factory=OnebitConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -377,6 +397,11 @@ _RULES: dict[str, Rule] = {
     "sparse_aggregate": choice(SPARSE_AGGREGATES),
     "outer_overlap": boolean,
     "outer_period_s": optional(number(0, low_open=True), "every inner_steps"),
+    "onebit_warmup_steps": optional(integer(1), "the variance rule decides"),
+    "onebit_window": integer(1),
+    "onebit_tolerance": number(0, low_open=True),
+    "onebit_min_warmup": integer(1),
+    "onebit_max_warmup_fraction": number(0, 1, low_open=True),
 }
 
 _unruled = set(EngineConfig.field_names()) ^ set(_RULES)

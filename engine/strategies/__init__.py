@@ -13,6 +13,7 @@ STRATEGIES: dict[str, str] = {
     "local_sgd": "engine.strategies.local_sgd:LocalSGD",
     "diloco": "engine.strategies.diloco:DiLoCo",
     "sparseloco": "engine.strategies.sparseloco:SparseLoCo",
+    "onebit_adam": "engine.strategies.onebit_adam:OnebitAdam",
 }
 
 

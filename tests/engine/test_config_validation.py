@@ -188,6 +188,15 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"outer_overlap": 1}, "outer_overlap must be True or False (a bool, not 0/1 or a string), got 1"),
     ({"outer_period_s": 0}, "outer_period_s must be None (every inner_steps) or a finite number > 0, got 0"),
     ({"outer_period_s": "30"}, "outer_period_s must be None (every inner_steps) or a finite number > 0, got '30'"),
+    # onebit_adam
+    ({"onebit_warmup_steps": 0}, "onebit_warmup_steps must be None (the variance rule decides) or a positive integer, got 0"),
+    ({"onebit_warmup_steps": 2.5}, "onebit_warmup_steps must be None (the variance rule decides) or a positive integer"),
+    ({"onebit_window": 0}, "onebit_window must be a positive integer, got 0"),
+    ({"onebit_tolerance": 0}, "onebit_tolerance must be a finite number > 0, got 0"),
+    ({"onebit_tolerance": NAN}, "onebit_tolerance must be a finite number > 0, got nan"),
+    ({"onebit_min_warmup": True}, "onebit_min_warmup must be a positive integer, got True"),
+    ({"onebit_max_warmup_fraction": 0}, "onebit_max_warmup_fraction must be a finite number in (0, 1], got 0"),
+    ({"onebit_max_warmup_fraction": 1.5}, "onebit_max_warmup_fraction must be a finite number in (0, 1], got 1.5"),
     # runtime
     ({"timeout_s": 0}, "timeout_s must be a finite number > 0, got 0"),
     ({"timeout_s": -1}, "timeout_s must be a finite number > 0, got -1"),

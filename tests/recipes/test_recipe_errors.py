@@ -73,7 +73,7 @@ def test_bad_choice_is_one_line_and_exit_2():
     r = run_recipe(["--strategy", "ddp"])
     assert r.returncode == 2
     assert error_lines(r) == ["finetune: error: argument --strategy: invalid choice: 'ddp' "
-                              "(choose from 'zero1', 'dpu', 'acco', 'local_sgd', 'diloco', 'sparseloco') (--help lists the flags)"]
+                              "(choose from 'zero1', 'dpu', 'acco', 'local_sgd', 'diloco', 'sparseloco', 'onebit_adam') (--help lists the flags)"]
 
 
 @pytest.mark.parametrize("case", ["file", "under-file", "dev-null", "read-only"])

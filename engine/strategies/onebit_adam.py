@@ -1,0 +1,243 @@
+"""onebit_adam: 1-bit Adam on the ZeRO-1 engine (Tang et al., ICML 2021; the math is
+acco_loco/onebit.py, the exact form and the choices are docs/DESIGN.md section 9).
+
+Warmup: the engine's ZeRO-1 AdamW round as it is (ShardedStrategy), one round per step, until
+``onebit_warmup_steps`` AdamW steps, or, when that is None, until the L1 norm of the
+bias-corrected second moment moved by at most ``onebit_tolerance`` over ``onebit_window`` steps
+(never before ``onebit_min_warmup``, at the latest after ``onebit_max_warmup_fraction`` of
+``max_steps``).
+
+The freeze, in the round of the last warmup step: the momentum and the second moment shards are
+all-gathered once (and the fp32 master, unless the parameters every replica holds already are
+it), so every worker holds them whole: each worker applies the averaged momentum itself, which is
+what lets both directions travel at 1 bit a value (a sharded variance would need the parameters
+all-gathered every step instead).
+
+Compressed stage, one synchronous round per step:
+
+    small all-reduce     counts, loss, squared norms, every rank's flags (sharded.agree)
+    all-to-all           each worker's compressed momentum, row j to the owner of shard j
+    owner                average, add the server error, compress again
+    all-gather           the owners' compressed shards; every worker decodes and steps alone
+
+Every replica decodes the same bytes and runs the same update, so replicas stay bit-identical.
+A step whose new parameters are not finite installs nothing (the new momentum, errors and
+master are kept apart until then).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from acco_loco import onebit
+from acco_loco.acco import RoundKind, RoundPlan
+from acco_loco.optim import ShardState, clip_coefficient
+from acco_loco.registry import WIRE_CODECS
+from acco_loco.schedule import lr_at
+
+from ..host import nonfinite_flag, to_host
+from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
+from .sharded import ShardedStrategy, agree
+
+
+@dataclass
+class CompressedState:
+    """What the compressed stage keeps per worker (full size unless said)."""
+
+    momentum: torch.Tensor  # m, the same on every replica after every step
+    variance: torch.Tensor  # v frozen at the freeze
+    mask: torch.Tensor  # bool: v == 0 at the freeze (never had a gradient; padding)
+    worker_error: torch.Tensor  # e_w
+    server_error: torch.Tensor  # e_s, this worker's shard only
+    master: torch.Tensor | None  # fp32 master; None: the parameters (gather_buf) are it
+    frozen_step: int  # T, the AdamW steps behind v
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"momentum": self.momentum, "variance": self.variance, "mask": self.mask,
+               "worker_error": self.worker_error, "server_error": self.server_error}
+        if self.master is not None:
+            out["master"] = self.master
+        return out
+
+
+class OnebitAdam(ShardedStrategy):
+    plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.codec = WIRE_CODECS["sign1"](cfg.group_size, cfg.scale_dtype)
+        self.norms: list[float] = []  # the variance rule's L1 norms, newest last
+        self.state: CompressedState | None = None  # None while in warmup
+        self._buf: torch.Tensor | None = None  # u_w, then h_w, then the decoded m (fp32, full)
+        self._new_master: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "OnebitAdam":
+        return cls(cfg)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.optimizer != "adamw":
+            raise ValueError(f"strategy 'onebit_adam' is 1-bit Adam, it freezes AdamW's second moment: set "
+                             f"optimizer='adamw' (got {cfg.optimizer!r})")
+
+    # ------------------------------------------------------------------ warmup
+    def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        if self.state is not None:
+            return self._compressed_round(ctx, req)
+        applied = ctx.shard_state.step
+        result = super().run_round(ctx, req)
+        if ctx.shard_state.step != applied:  # an AdamW update was installed
+            before = ctx.comm.bytes_sent
+            if self._freeze_due(ctx):
+                self._freeze(ctx)
+            result.bytes_sent += ctx.comm.bytes_sent - before
+        return result
+
+    def _freeze_due(self, ctx: RoundContext) -> bool:
+        cfg, state = self.cfg, ctx.shard_state
+        if cfg.onebit_warmup_steps is not None:
+            return state.step >= cfg.onebit_warmup_steps
+        # one float64 all-reduce per warmup step; the same value, so the same verdict, everywhere
+        local = onebit.corrected_l1(state.exp_avg_sq, state.step, cfg.betas[1]).reshape(1)
+        self.norms = (self.norms + [float(to_host(ctx.comm.all_reduce_sum(local))[0])])[-cfg.onebit_window - 1:]
+        cap = max(1, math.ceil(cfg.onebit_max_warmup_fraction * cfg.max_steps))
+        return state.step >= cap or onebit.variance_settled(state.step, self.norms, cfg.onebit_window,
+                                                            cfg.onebit_tolerance, cfg.onebit_min_warmup)
+
+    def _freeze(self, ctx: RoundContext) -> None:
+        """Gather m, v (and the master when the parameters are not it) once; start the errors at 0."""
+        comm, shard = ctx.comm, ctx.shard_state
+        padded, dev = ctx.flat.padded, ctx.gather_buf.device
+
+        def whole(part: torch.Tensor) -> torch.Tensor:
+            return comm.all_gather(part, torch.empty(padded, dtype=torch.float32, device=dev))
+
+        momentum, variance = whole(shard.exp_avg), whole(shard.exp_avg_sq)
+        master = None if self._params_are_master(ctx) else whole(shard.master)
+        self.state = CompressedState(momentum, variance, onebit.unused_mask(variance), torch.zeros_like(momentum),
+                                     torch.zeros_like(shard.exp_avg), master, shard.step)
+        self.norms = []
+        self._bind_shard(ctx, shard.step)
+
+    def _params_are_master(self, ctx: RoundContext) -> bool:
+        """fp32 compute with an fp32 parameter gather: what every replica holds is the master."""
+        return ctx.gather_buf.dtype == torch.float32 and ctx.cfg.param_codec in ("auto", "float32")
+
+    def _bind_shard(self, ctx: RoundContext, step: int) -> None:
+        """The engine's shard state becomes views of the whole tensors (no second copy; its
+        spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
+        st, lo, hi = self.state, ctx.comm.rank * ctx.flat.shard_size, (ctx.comm.rank + 1) * ctx.flat.shard_size
+        master = st.master if st.master is not None else ctx.gather_buf
+        ctx.shard_state = ShardState(master=master[lo:hi], exp_avg=st.momentum[lo:hi],
+                                     exp_avg_sq=st.variance[lo:hi], step=step)
+
+    # ------------------------------------------------------------------ compressed stage
+    def _compressed_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        comm, cfg, n = ctx.comm, ctx.cfg, ctx.comm.world_size
+        full = ctx.flat.grads[req.grad_index]
+        before, phases, t = comm.bytes_sent, {}, time.perf_counter()
+        if self._buf is None or self._buf.numel() != full.numel():
+            self._buf = torch.empty(full.numel(), dtype=torch.float32, device=full.device)
+            self._new_master = torch.empty_like(self._buf)
+        grad = full if full.dtype == torch.float32 else self._buf.copy_(full)
+        totals = agree(ctx, req, grad, nonfinite_flag(full), None)
+        lr = lr_at(req.step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        # sum_w |x_w| <= sqrt(N sum_w |x_w|^2) bounds |sum_w x_w|: the clipping norm (section 9)
+        bound = math.sqrt(n * totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else math.nan
+        phases["small_all_reduce"] = (t, time.perf_counter())
+        if totals.count and not totals.nonfinite:
+            coef = clip_coefficient(bound, cfg.max_grad_norm)
+            torch.mul(grad, n * coef / totals.count, out=self._buf)  # u_w
+            if not self._step(ctx, lr, phases):
+                totals.nonfinite, bound = True, math.nan
+                totals.reason = "non-finite parameters after the update; every replica computed it:"
+        if cfg.poison_freed_buffers:
+            full.fill_(float("nan"))
+        return RoundResult(
+            index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count,
+            count=totals.count, samples=totals.samples,
+            loss=totals.loss_sum / totals.count if totals.count else math.nan, lr=lr, grad_norm=bound,
+            skipped=totals.nonfinite, empty=totals.count == 0, bad_ranks=totals.bad_ranks,
+            exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - before, phases=phases,
+            skip_reason=totals.reason, micro_batch_s=totals.micro_batch_s)
+
+    def _step(self, ctx: RoundContext, lr: float, phases: dict) -> bool:
+        """Exchange the compressed momentum (u_w in self._buf) and step; False when the new
+        parameters are not finite (then nothing was installed)."""
+        comm, st, codec, spec = ctx.comm, self.state, self.codec, ctx.spec
+        n, size = comm.world_size, ctx.flat.shard_size
+        lo, hi = comm.rank * size, (comm.rank + 1) * size
+        t = time.perf_counter()
+        h = onebit.worker_message(st.momentum, self._buf, st.worker_error, spec.betas[0])
+        payload, scales, worker_error = onebit.compress_with_error(h, codec, st.mask)
+        received = comm.all_to_all_rows(onebit.split_rows(payload, scales, n))
+        mine = onebit.server_average(received, codec, size).add_(st.server_error)
+        payload, scales, server_error = onebit.compress_with_error(mine, codec, st.mask[lo:hi])
+        phases["reduce_scatter"] = (t, time.perf_counter())
+
+        t = time.perf_counter()
+        row = onebit.split_rows(payload, scales, 1).view(-1)
+        gathered = comm.all_gather(row, torch.empty(n * row.numel(), dtype=torch.uint8, device=row.device))
+        momentum = onebit.decode_rows(gathered.view(n, -1), codec, size, st.mask, out=self._buf)
+        phases["all_gather"] = (t, time.perf_counter())
+
+        t = time.perf_counter()
+        step = ctx.shard_state.step + 1
+        master = st.master if st.master is not None else ctx.gather_buf
+        denominator = onebit.frozen_denominator(st.variance, st.frozen_step, spec)
+        new = onebit.apply_update(master, momentum, denominator, st.mask, lr, step, spec, out=self._new_master)
+        finite = not bool(to_host(nonfinite_flag(new)))  # the same bytes on every replica: the same verdict
+        if finite:
+            st.momentum, self._buf = momentum, st.momentum  # the old momentum is the next round's buffer
+            st.worker_error, st.server_error = worker_error, server_error
+            if st.master is not None:
+                st.master, self._new_master = new, st.master
+            ctx.gather_buf.copy_(new)  # the compute dtype: the parameters every replica holds
+            self._bind_shard(ctx, step)
+        elif ctx.cfg.nan_policy == "stop":
+            raise NonFiniteGradientError(
+                f"non-finite parameters after the 1-bit Adam update of step {step} (every replica computed "
+                "it): nothing was installed; lower the learning rate or clip gradients (max_grad_norm), or "
+                "set nan_policy='skip'")
+        phases["optimizer"] = (t, time.perf_counter())
+        return finite
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
+        meta = {"onebit": {"phase": "warmup" if self.state is None else "compressed", "norms": list(self.norms)}}
+        if self.state is None:
+            return {}, meta
+        meta["onebit"]["frozen_step"] = self.state.frozen_step
+        return {f"onebit.{k}": v.detach().cpu().contiguous() for k, v in self.state.tensors().items()}, meta
+
+    def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        saved = meta.get("onebit")
+        if saved is None:
+            raise ValueError("the checkpoint holds no 1-bit Adam state (phase, errors, frozen variance): it was "
+                             "not written by strategy 'onebit_adam'")
+        self.norms = list(saved["norms"])
+        self.state = None
+        if saved["phase"] == "warmup":
+            return
+        dev = ctx.gather_buf.device
+        got = {k[len("onebit."):]: v.to(dev).clone() for k, v in tensors.items() if k.startswith("onebit.")}
+        if ("master" in got) == self._params_are_master(ctx):
+            raise ValueError("the checkpoint's 1-bit Adam state does not match this run's compute dtype and "
+                             "param_codec (a separate fp32 master is kept unless both are fp32): resume with "
+                             "the checkpoint's settings")
+        self.state = CompressedState(got["momentum"], got["variance"], got["mask"], got["worker_error"],
+                                     got["server_error"], got.get("master"), saved["frozen_step"])
+        self._bind_shard(ctx, meta["opt_step"])
+
+
+def compressed_step_bytes(padded: int, world: int, group_size: int = 128, scale_dtype: str = "float32") -> int:
+    """What one worker sends in one step of the compressed stage (Comm's count): the all-to-all
+    and the all-gather of sign1 rows (S/8 payload bytes + S/g scales each, S = padded / world),
+    and the small all-reduce of 4 + 3N float64 values."""
+    row = WIRE_CODECS["sign1"](group_size, scale_dtype).wire_bytes(padded // world)
+    return 2 * (world - 1) * row + 2 * (world - 1) * (4 + 3 * world) * 8 // world
