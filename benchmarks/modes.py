@@ -6,6 +6,12 @@ each picks the modes it runs from here by name. A mode is either
 
 * an engine mode: flat :class:`engine.EngineConfig` keyword arguments (``strategy``, ``codec``,
   ``param_codec`` and any further fields in ``extra``), see :meth:`Mode.engine_kwargs`; or
+  A local-step mode (strategy diloco or sparseloco, :func:`is_local_steps`) counts one inner step
+  of every worker as its optimizer step: at matched batch each inner step reads B samples (one
+  micro-batch of DDP's size per worker at B = 16, as DDP at accumulation 1), and an outer round
+  follows every ``inner_steps`` of them. Its samples are cheap, so ``recipes/benchmark.py
+  --local-samples-factor K`` gives these modes K times the budget (the table says the samples
+  each mode used; losses are compared at equal samples);
 * a torch DDP variant: torch's own DistributedDataParallel + torch.optim.AdamW, with ``no_sync``
   accumulation of ``accumulation`` micro-batches (None: the protocol's, see below) and,
   optionally, the PowerSGD comm hook of matrix rank ``powersgd_rank`` (error feedback on).
@@ -62,11 +68,19 @@ class Mode:
         return "torch-ddp" if self.ddp is not None else "engine"
 
     @property
+    def local_steps(self) -> bool:
+        """Whether this is a local-step mode (diloco, sparseloco): one history entry per inner step."""
+        return self.strategy is not None and is_local_steps(self.strategy)
+
+    @property
     def protocols(self) -> tuple[str, ...]:
         """The protocols this mode can run under: a DDP variant with its own accumulation and an
-        engine mode that grows its batch choose their batch themselves (free batch only)."""
+        engine mode that grows its batch choose their batch themselves (free batch only); a
+        local-step mode's inner step takes a fixed batch (matched only)."""
         fixed_ddp = self.ddp is not None and self.ddp.accumulation is not None
         grows = self.extra.get("accumulation") == "grow"
+        if self.local_steps:
+            return ("matched",)
         return ("free",) if fixed_ddp or grows else PROTOCOLS
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -113,12 +127,24 @@ MODES: dict[str, Mode] = {
     "acco+int4": _engine("acco", "int4"),
     "acco+int4+int8": _engine("acco", "int4", "int8"),
     "dpu+ef8+bf16": _engine("dpu", "ef8", "bfloat16"),
+    # local steps (docs/DESIGN.md section 8): an outer round every H inner steps; the outer lr
+    # and momentum, density and error decay are the engine's defaults (DiLoCo's 0.7 / 0.9,
+    # SparseLoCo's 2% top-k of 4096-value chunks, 2-bit values, beta 0.95)
+    "diloco-h15": _engine("diloco", inner_steps=15),
+    "diloco-h50": _engine("diloco", inner_steps=50),
+    "sparseloco-h15": _engine("sparseloco", inner_steps=15),
+    "sparseloco-h50": _engine("sparseloco", inner_steps=50),
+    # ... overlapped: inner steps go on while the outer round travels, merged one round late
+    "diloco-h15+overlap": _engine("diloco", inner_steps=15, outer_overlap=True),
+    "sparseloco-h15+overlap": _engine("sparseloco", inner_steps=15, outer_overlap=True),
+    "sparseloco-h50+overlap": _engine("sparseloco", inner_steps=50, outer_overlap=True),
 }
 
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
-                   "acco+loco4+int4params+cap1")
+                   "acco+loco4+int4params+cap1", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
+                   "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
 # ... its default --modes per protocol, without and with --hetero ...
 DEFAULT_MODES = {
     ("matched", False): ("torch-ddp", "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4",
@@ -176,8 +202,23 @@ class BatchPlan:
         return f"{self.micro_batch} x grow"
 
 
+def is_local_steps(strategy: str) -> bool:
+    """Whether the engine's ``strategy`` takes inner steps alone between outer rounds."""
+    import importlib
+
+    from engine.strategies import STRATEGIES  # imports torch: only when a mode is planned
+    from engine.strategies.local_steps import LocalStepStrategy
+
+    module, name = STRATEGIES[strategy].split(":")
+    return issubclass(getattr(importlib.import_module(module), name), LocalStepStrategy)
+
+
 def _rounds_per_step(strategy: str) -> int:
-    from acco_loco.acco import plan_for  # imports torch: only when a batch is planned
+    """Rounds per optimizer step; a local-step strategy's optimizer step is an inner step, one
+    batch (its outer rounds come every H of them)."""
+    if is_local_steps(strategy):
+        return 1
+    from acco_loco.acco import plan_for
 
     return plan_for(strategy).rounds_per_step
 

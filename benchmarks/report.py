@@ -142,6 +142,8 @@ def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, l
         "train_s": med("train_s"),
         "startup_s": med("startup_s"),
         "step_time_median_s": med("step_time_median_s"),
+        "step_time_mean_s": med("step_time_mean_s"),
+        "local_steps": MODES[mode].local_steps,
         "samples_per_s": sps,
         "global_micro_batches_per_step": med("global_micro_batches_median"),
         "min_micro_batches_per_round": med("min_micro_batches_median") if engine else None,
@@ -184,7 +186,9 @@ def add_derived(out: list[dict], workers: int, rate: str, micro_batch: int, refe
             compute_s = per_step / rate_c  # workers run in parallel
             limit = max(compute_s, o["wire_bytes_per_step_engine"] / link)
         o["step_limit_s"] = limit
-        o["overlap_efficiency"] = limit / o["step_time_median_s"] if limit and o.get("step_time_median_s") else None
+        # a local-step mode's median inner step holds no outer round: its mean is its step
+        step_s = o.get("step_time_mean_s") if o.get("local_steps") else o.get("step_time_median_s")
+        o["overlap_efficiency"] = limit / step_s if limit and step_s else None
         o["samples_per_s_vs_ref"] = (o["samples_per_s"] / ref["samples_per_s"]
                                      if ref and ref["samples_per_s"] and o["samples_per_s"] else None)
         o["time_to_target_vs_ref"] = (o["time_to_target_s"] / ref["time_to_target_s"]
@@ -338,9 +342,53 @@ def verdict(rows: list[dict]) -> str:
     return "\n".join(f"- {x}" for x in lines)
 
 
+def verdict_local(rows: list[dict]) -> list[str]:
+    """The local-step modes against the reference (time to target, bytes per sample, compute
+    utilization, loss at equal samples), PowerSGD rank 4, diloco at the same H, and the cost of
+    overlap (the same mode without it), seed against seed."""
+    by = {o["mode"]: o for o in rows}
+    reference = next((o["reference"] for o in rows if o.get("reference")), REFERENCES["free"])
+    ref = by.get(reference)
+    lines = []
+    for o in (o for o in rows if o.get("local_steps")):
+        parts = [f"{o['mode']} ({fmt(o['samples'], '.0f')} samples):"]
+        t = o["time_to_target_s"]
+        if ref is not None and ref["time_to_target_s"]:
+            parts.append("target not reached;" if t is None else
+                         f"time to target {t / ref['time_to_target_s']:.2f}x {reference};")
+        if "torch-ddp+powersgd4" in by:
+            mine, theirs, reached = time_to_loss_of(o, by["torch-ddp+powersgd4"])
+            parts.append("reaches torch-ddp+powersgd4's final loss " + (
+                f"at {mine:.0f} s ({reached} seeds)" if mine is not None else f"never ({reached} seeds)")
+                + f", PowerSGD at {fmt(theirs, '.0f')} s;")
+        if ref is not None and ref["wire_bytes_per_step_engine"] and o["wire_bytes_per_step_engine"] is not None \
+                and o.get("samples_per_step") and ref.get("samples_per_step"):
+            per_sample = (o["wire_bytes_per_step_engine"] / o["samples_per_step"]) / \
+                (ref["wire_bytes_per_step_engine"] / ref["samples_per_step"])
+            parts.append(f"bytes per sample 1/{1 / per_sample:.0f} of {reference};" if per_sample else "")
+        if o["throughput_efficiency"] is not None:
+            parts.append(f"compute utilization {o['throughput_efficiency']:.2f};")
+        if o.get("loss_vs_ref_pct") is not None:
+            parts.append(f"held-out loss {pct(o['loss_vs_ref_pct'])} vs {reference} at "
+                         f"{o['loss_vs_ref_samples']:.0f} samples;")
+        h = o["mode"].split("-")[-1].split("+")[0]  # "h15"
+        for label, other in ((f"diloco-{h}", by.get(f"diloco-{h}")),
+                             ("without overlap", by.get(o["mode"].removesuffix("+overlap")))):
+            if other is None or other is o or (label.startswith("diloco") and o["mode"].startswith("diloco")):
+                continue
+            gap = loss_vs_reference(o, other)
+            if gap["loss_vs_ref_pct"] is not None:
+                per_seed = ", ".join(f"{pct(v)}" for v in gap["loss_vs_ref_pct_per_seed"].values())
+                parts.append(f"vs {label} {pct(gap['loss_vs_ref_pct'])} at {gap['loss_vs_ref_samples']:.0f} "
+                             f"samples (per seed {per_seed});")
+        lines.append(" ".join(p for p in parts if p))
+    return lines
+
+
 def tables(rows: list[dict]) -> str:
     """The markdown table and the verdict lines under it."""
-    return table(rows) + "\n\n" + verdict(rows)
+    local = "\n".join(f"- {x}" for x in verdict_local(rows))
+    return table(rows) + "\n\n" + verdict(rows) + ("\n" + local if local else "")
 
 
 def protocol_line(args) -> str:

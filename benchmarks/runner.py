@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.modes import matched_schedule
+from benchmarks.modes import MODES, matched_schedule
 from benchmarks.report import aggregate, fmt
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
@@ -78,13 +78,15 @@ def train_spec(args, mode: str, lr: float, seed: int) -> dict:
     grow settings), the lr schedule (matched batch: the shared warmup + cosine over the budget's
     steps; free: constant), the budget and the eval points."""
     plan = args.batch_plans[mode]
+    steps = mode_steps(args, mode)
+    samples = args.samples if steps == args.steps else steps * args.global_batch
     spec = {**base_spec(args, seed, plan.micro_batch), "role": "train", "mode": mode, "lr": lr,
-            "protocol": args.protocol, "samples": args.samples, "eval_points": eval_points(args),
+            "protocol": args.protocol, "samples": samples, "eval_points": eval_points(args, samples),
             "comm_chunks": args.comm_chunks, "group_size": args.group_size,
             "accumulation": plan.accumulation, "global_micro_batches": plan.global_micro_batches,
             "lr_schedule": None}
     if args.protocol == "matched":
-        spec["lr_schedule"] = dataclasses.asdict(matched_schedule(lr, args.steps))
+        spec["lr_schedule"] = dataclasses.asdict(matched_schedule(lr, steps))
         spec["balance"] = args.balance
         spec["global_batch"] = args.global_batch
     else:
@@ -176,13 +178,32 @@ def compute_only(tb, args, workdir: str, tag: str, micro_batch: int) -> dict:
     return {"tag": tag, "micro_batch": micro_batch, "samples_per_s": rate}
 
 
-def eval_points(args) -> list[int]:
+def mode_steps(args, mode: str) -> int | None:
+    """Optimizer steps of ``mode``'s matched-batch run: the budget's; a local-step mode's (inner
+    steps) --local-samples-factor times that, rounded up to whole outer periods (the samples of
+    a period left unfinished would never reach theta_sync, which is what is evaluated)."""
+    mode_ = MODES[mode]
+    if args.protocol != "matched" or not mode_.local_steps:
+        return args.steps
+    from engine import EngineConfig
+
+    period = mode_.extra.get("inner_steps", EngineConfig().inner_steps)
+    wanted = args.steps * getattr(args, "local_samples_factor", 1)
+    return -(-wanted // period) * period
+
+
+def eval_points(args, samples: int | None = None) -> list[int]:
     """Global samples at which the parameters are snapshotted; matched batch: whole steps, the
-    same for every mode."""
+    same for every mode (a mode with a larger budget ``samples``: the same points, then on at
+    the same spacing up to its end)."""
     n = args.eval_points
     if args.protocol == "matched":
-        b = args.global_batch
-        return sorted({b * max(1, round(args.steps * (i + 1) / n)) for i in range(n)})
+        b, end = args.global_batch, samples or args.samples
+        points, i = set(), 0
+        while not points or max(points) < end:
+            points.add(min(end, b * max(1, round(args.steps * (i + 1) / n))))
+            i += 1
+        return sorted(points)
     return sorted({max(1, round(args.samples * (i + 1) / n)) for i in range(n)})
 
 
@@ -208,10 +229,13 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "samples_per_step_mean": samples / steps if steps else None,
         "startup_s": max(r["startup_s"] for r in res),
         "step_time_median_s": statistics.median(h["time_s"] for h in hist) if hist else None,
+        "step_time_mean_s": train_s / steps if steps else None,
         "samples_per_s": samples / train_s if train_s else None,
         "global_micro_batches_median": statistics.median(h["global_micro_batches"] for h in hist) if hist else None,
         "global_micro_batches_mean": statistics.fmean(h["global_micro_batches"] for h in hist) if hist else None,
-        "wire_bytes_per_step_engine": statistics.median(h["wire_bytes"] for h in hist) if hist else None,
+        # the bytes a mode accounted for over its steps (a local-step mode sends only every H
+        # inner steps: its median step sends nothing)
+        "wire_bytes_per_step_engine": sum(h["wire_bytes"] for h in hist) / steps if hist else None,
         "wire_bytes_per_step_tx": r0["tx_bytes"] / steps if r0.get("tx_bytes") is not None and steps else None,
         "accounted_bytes_per_rank": [r["accounted_bytes"] for r in res],
         "tx_bytes_per_rank": [r.get("tx_bytes") for r in res],

@@ -99,12 +99,15 @@ class Snapshots:
         self.t0 = t0
         self.taken: list[dict] = []  # {"samples", "time_s", "step", "params"}
 
-    def maybe(self, model: torch.nn.Module, samples: int, step: int, force: bool = False) -> None:
+    def maybe(self, model: torch.nn.Module, samples: int, step: int, force: bool = False,
+              params=None) -> None:
+        """Snapshot ``model``'s parameters (or ``params()``: copies in model.parameters() order)
+        if an eval point is reached."""
         due = self.next < len(self.points) and samples >= self.points[self.next]
         if not (due or force) or (self.taken and self.taken[-1]["step"] == step):
             return
         now = time.perf_counter() - self.t0
-        params = [p.detach().clone() for p in model.parameters()]
+        params = [p.detach().clone() for p in model.parameters()] if params is None else params()
         self.taken.append({"samples": samples, "time_s": now, "step": step, "params": params})
         while self.next < len(self.points) and samples >= self.points[self.next]:
             self.next += 1  # a coarse step may cross several points: one snapshot for them
@@ -318,6 +321,41 @@ class SampleBudget:
             yield batch
 
 
+class LocalSampleBudget(SampleBudget):
+    """A local-step mode's budget and snapshots. Each history entry is one inner step of this
+    worker (its own samples; every worker takes the same, so the global count is world x them);
+    the model between outer rounds holds this worker's own theta_w, so what is evaluated is
+    theta_sync, the replicas' common parameters, with the samples the finished outer rounds
+    have folded into it, at the moment the round's result was in."""
+
+    def __init__(self, engine, model: torch.nn.Module, snaps: Snapshots, budget: int, world: int):
+        super().__init__(engine, model, snaps, budget)
+        self.world = world
+        self.synced = 0  # global samples folded into theta_sync by the finished outer rounds
+        by_id = {id(p): (a, b) for p, (a, b) in zip(engine.flat.params, engine.flat.offsets)}
+        self.ranges = [by_id[id(p)] for p in model.parameters()]
+
+    def theta_sync(self) -> list[torch.Tensor]:
+        sync = self.engine.strategy.theta_sync
+        return [sync[a:b].view(p.shape).clone() for p, (a, b) in zip(self.model.parameters(), self.ranges)]
+
+    def catch_up(self, force: bool = False) -> None:
+        new = self.engine.history[self.seen:]
+        self.samples += self.world * sum(e["samples"] for e in new)
+        self.synced += sum(o["samples"] for e in new for o in e["outer"] if not o["skipped"])
+        self.seen = len(self.engine.history)
+        if any(e["outer"] for e in new):  # theta_sync moved
+            self.snaps.maybe(self.model, self.synced, self.seen, force=force, params=self.theta_sync)
+
+
+def global_history(history: list[dict], world: int) -> list[dict]:
+    """A local-step mode's history with global samples and micro-batches per inner step (every
+    worker takes the same inner batch: the benchmark runs them at balance 'equal'); the worker's
+    own count stays in ``samples_worker``."""
+    return [{**h, "samples": h["samples"] * world, "samples_worker": h["samples"],
+             "global_micro_batches": h["micro_batches"] * world} for h in history]
+
+
 def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from acco_loco.acco import RoundKind
     from engine import Engine
@@ -330,7 +368,9 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     tx0, t0, cpu0 = tx_bytes(), time.perf_counter(), thread_cpu_seconds()
     bytes0 = engine.comm.bytes_sent
     snaps = Snapshots(spec["eval_points"], t0)
-    budget = SampleBudget(engine, model, snaps, spec["samples"])
+    local = engine.plan.local_steps > 0
+    budget = (LocalSampleBudget(engine, model, snaps, spec["samples"], world) if local
+              else SampleBudget(engine, model, snaps, spec["samples"]))
     try:
         engine.fit(budget.batches(stream))
         t_end = time.perf_counter()
@@ -344,7 +384,8 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
         engine.close()
     evals = snaps.evaluate(model, held, rank, world)
     timeline = [(ph, r, a - t0, b - t0, idx) for ph, r, a, b, idx in engine.timeline]
-    return {"history": engine.history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
+    history = global_history(engine.history, world) if local else engine.history
+    return {"history": history, "timeline": timeline, "evals": evals, "train_s": t_end - t0,
             "t0_abs": t0, "startup_s": t0 - t_init, "accounted_bytes": accounted,
             "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
             "comm_cpu_s": engine.comm_cpu_s,

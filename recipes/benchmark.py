@@ -8,6 +8,8 @@ samples per optimizer step::
     python recipes/benchmark.py --global-batch 64 --json bench_b64.json --plot bench_b64_loss.png
     python recipes/benchmark.py --protocol free --json bench_free.json   # each mode at the batch it likes
     python recipes/benchmark.py --hetero --global-batch 48 --balance speed   # 3 workers, two share a core
+    python recipes/benchmark.py --rate 20mbit --samples 1536 --local-samples-factor 4 \
+        --modes torch-ddp,torch-ddp+powersgd4,diloco-h15,sparseloco-h15,sparseloco-h15+overlap
 
 What it does (docs/DESIGN.md section 4):
 
@@ -41,7 +43,11 @@ What it does (docs/DESIGN.md section 4):
   (``torch-ddp``, ``torch-ddp-acc*``), DDP with the PowerSGD comm hook (rank 1 / 4, error
   feedback on; ``torch-ddp+powersgd*``), and this engine's zero1, dpu, acco, acco + LoCo 4-bit
   gradients + int8 param deltas (``acco+loco4``) and with int4 param deltas
-  (``acco+loco4+int4params``), ``--comm-chunks`` async pieces per collective;
+  (``acco+loco4+int4params``), ``--comm-chunks`` async pieces per collective; the local-step
+  modes ``diloco-h15/h50`` and ``sparseloco-h15/h50`` (an outer round every 15 / 50 inner
+  steps, ``+overlap``: inner steps go on while it travels), matched batch only, each inner step
+  B samples, for ``--local-samples-factor`` K times the budget; they are evaluated at
+  theta_sync, the parameters the replicas share, with the samples folded into it;
 * measures per mode: median step time, samples/s, samples and micro-batches per step, wire bytes
   per step as the mode accounts them (engine history; for DDP 2(N-1)/N x the bucket bytes, for
   PowerSGD the hook's all-reduces) and as the worker's interface counted them (tx_bytes over
@@ -129,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr-from", default=None, metavar="JSON",
                     help="each mode's lr from an earlier benchmark JSON (its swept best); modes not in it use "
                     "--lr (turns the default sweep off)")
+    ap.add_argument("--local-samples-factor", type=int, default=1, metavar="K",
+                    help="matched: local-step modes (diloco-*, sparseloco-*) train for K x --samples (their "
+                    "samples are cheap; their lr schedule spans their own budget; losses are compared at "
+                    "equal samples)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="global gradient-norm clipping for every mode (0: off)")
     ap.add_argument("--hetero", action="store_true",
@@ -191,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in a.modes if m not in BENCHMARK_MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}: choose from {', '.join(BENCHMARK_MODES)}")
+    if a.local_samples_factor < 1:
+        ap.error("--local-samples-factor must be at least 1")
     if a.first_seed < 0:
         ap.error("--first-seed must be >= 0")
     if a.seeds < 1:
@@ -217,6 +229,12 @@ def check_batch_args(ap: argparse.ArgumentParser, a: argparse.Namespace, default
         for flag, given in (("--global-batch", a.global_batch is not None), ("--balance", a.balance != "equal")):
             if given:
                 ap.error(f"{flag} sets the matched-batch protocol's batch: leave it out with --protocol free")
+        matched_only = [m for m in a.modes if "free" not in MODES[m].protocols]
+        if matched_only:
+            ap.error(f"mode(s) {matched_only} take a fixed batch per inner step (matched protocol only): leave "
+                     f"them out of a free-batch run")
+        if a.local_samples_factor != 1:
+            ap.error("--local-samples-factor belongs to the matched protocol's local-step modes")
         a.max_micro_batches = 4 if a.max_micro_batches is None else a.max_micro_batches
         a.max_round_overhead = 0.15 if a.max_round_overhead is None else a.max_round_overhead
         a.batch_plans = {m: free_batch(m, a.workers, a.micro_batch) for m in a.modes}

@@ -101,7 +101,17 @@ def test_every_mode_gets_a_valid_config_under_each_protocol_it_allows():
         points = eval_points(args)
         for m in modes:
             plan, spec = args.batch_plans[m], train_spec(args, m, 2e-3, 1)
-            assert spec["micro_batch"] == plan.micro_batch and spec["eval_points"] == points
+            steps = args.steps
+            if MODES[m].local_steps:
+                # whole outer periods: 192 inner steps -> 195 at H = 15, 200 at H = 50
+                period = MODES[m].extra["inner_steps"]
+                steps = -(-192 // period) * period
+                assert spec["samples"] == 16 * steps and steps % period == 0 and 192 <= steps < 192 + period
+                # the budget's points, then on at the same spacing, the end included
+                assert spec["eval_points"][:len(points)] == points and spec["eval_points"][-1] == 16 * steps
+            else:
+                assert spec["eval_points"] == points and spec["samples"] == args.samples
+            assert spec["micro_batch"] == plan.micro_batch
             if MODES[m].kind == "torch-ddp":
                 assert spec["accumulation"] == plan.accumulation
                 continue
@@ -111,13 +121,18 @@ def test_every_mode_gets_a_valid_config_under_each_protocol_it_allows():
                 assert cfg.accumulation == "fixed" and cfg.global_micro_batches == plan.global_micro_batches
                 assert cfg.max_micro_batches is None and cfg.micro_batches == 1
                 assert (cfg.lr, cfg.lr_schedule, cfg.min_lr_ratio) == (2e-3, "cosine", 0.1)
-                assert cfg.max_steps == args.steps == 192 and cfg.warmup_steps == 10
+                assert cfg.max_steps == steps and cfg.warmup_steps == round(0.05 * steps)
             else:
                 assert cfg.accumulation == "grow" and cfg.global_micro_batches is None
                 assert cfg.max_micro_batches == (1 if m.endswith("+cap1") else 4)
                 assert cfg.lr_schedule == "constant" and cfg.lr == 2e-3
     # matched batch: the eval points are whole steps, the same samples for every mode
     assert eval_points(parse_args(["--global-batch", "64", "--eval-points", "5"])) == [640, 1216, 1856, 2432, 3072]
+    # a local-step mode's budget: K x the samples, in whole outer periods
+    local = parse_args(["--modes", "torch-ddp,sparseloco-h50", "--samples", "1536", "--local-samples-factor", "4"])
+    spec = train_spec(local, "sparseloco-h50", 1e-3, 0)
+    assert spec["samples"] == 16 * 400 and spec["lr_schedule"]["total_steps"] == 400  # 384 -> 8 periods of 50
+    assert train_spec(local, "torch-ddp", 1e-3, 0)["samples"] == 1536
 
 
 # ------------------------------------------------------------------ one lr schedule

@@ -78,3 +78,39 @@ def test_benchmark_smoke(tmp_path):
     for png in (plot, timeline):
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_smoke_local_steps(tmp_path):
+    """A local-step mode beside DDP: K x the budget, one inner step per DDP step's samples,
+    evaluated at theta_sync after each outer round (every 15 inner steps, and the last one)."""
+    out_json = tmp_path / "b.json"
+    argv = [sys.executable, SCRIPT, "--workers", "2", "--rate", "1gbit",
+            "--modes", "torch-ddp,sparseloco-h15,sparseloco-h15+overlap", "--seeds", "1", "--samples", "128",
+            "--global-batch", "8", "--local-samples-factor", "2", "--no-lr-sweep", "--micro-batch", "4",
+            "--seq-len", "32", "--n-layer", "2", "--n-embd", "128", "--n-head", "4",
+            "--eval-points", "2", "--eval-batches", "2", "--compute-micro-batches", "1", "--no-compute-at-end",
+            "--prefix", f"bl{os.getpid() % 100000}", "--json", str(out_json)]
+    cp = subprocess.run(argv, capture_output=True, text=True, timeout=115, cwd=REPO)
+    assert cp.returncode == 0, f"exit {cp.returncode}\nstdout:\n{cp.stdout[-3000:]}\nstderr:\n{cp.stderr[-5000:]}"
+    modes = {o["mode"]: o for o in json.loads(out_json.read_text())["modes"]}
+    ref = modes["torch-ddp"]
+    assert ref["samples"] == 128 and ref["steps"] == 16
+    for name in ("sparseloco-h15", "sparseloco-h15+overlap"):
+        o = modes[name]
+        assert o["local_steps"] and o["batch"] == "4 x 2/step"
+        # twice DDP's 16 steps, rounded up to whole outer periods of 15: 45 inner steps of DDP's
+        # 8 samples, on a schedule over 45 steps
+        assert o["samples"] == 360 and o["steps"] == 45 and o["samples_per_step"] == 8
+        assert o["lr_schedule"]["total_steps"] == 45
+        # theta_sync after each outer round (inner steps 15, 30, 45); overlapped, a round's result
+        # is merged at the end of the next period: round 2's with the last round, which is waited for
+        synced = [120, 360] if name.endswith("+overlap") else [120, 240, 360]
+        assert [e["samples"] for e in o["evals"][0]] == synced
+        assert all(e["loss"] is not None for e in o["evals"][0])
+        assert o["loss_vs_ref_samples"] == 120  # the last point both reached
+        # 2% top-k at 2-bit values every 15 steps: far below fp32 DDP's bytes per step
+        assert 0 < o["wire_bytes_per_step_engine"] < ref["wire_bytes_per_step_engine"] / 100
+        assert o["overlap_efficiency"] > 0
+        assert f"{name} (360 samples):" in cp.stdout
+    assert "without overlap" in cp.stdout
