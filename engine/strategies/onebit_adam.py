@@ -213,7 +213,8 @@ class OnebitAdam(ShardedStrategy):
         if self.state is None:
             return {}, meta
         meta["onebit"]["frozen_step"] = self.state.frozen_step
-        return {f"onebit.{k}": v.detach().cpu().contiguous() for k, v in self.state.tensors().items()}, meta
+        # copies: the engine's opt.* are views of these, and a checkpoint file holds no shared memory
+        return {f"onebit.{k}": v.detach().cpu().clone() for k, v in self.state.tensors().items()}, meta
 
     def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         saved = meta.get("onebit")
