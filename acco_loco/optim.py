@@ -83,9 +83,10 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
     """Values ``[a, b)`` of ``propose_step(state, grad, lr, spec)`` for ``grad = grad_sum / count``
     scaled by ``coef`` when below 1 (clipping), written into ``out``'s tensors: the same bits as
     the whole step (every optimizer here is elementwise), so a round can step the shard piece by
-    piece and send each piece as soon as it is done. ``scratch``: fp32, as long as the shard
-    (the fused kernel's square roots). ``fused``: what ``can_fuse`` said for these tensors (asked
-    here when None)."""
+    piece and send each piece as soon as it is done. ``out`` may be ``state`` itself (the fused
+    kernel reads each value before it writes it). ``scratch``: fp32, at least ``b - a`` long (the
+    fused kernel's square roots). ``fused``: what ``can_fuse`` said for these tensors (asked here
+    when None)."""
     sl = slice(a, b)
     if fused is None:
         fused = can_fuse(spec, grad_sum, state, out)
@@ -93,7 +94,7 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
         from . import kernels
 
         kernels.adamw(grad_sum[sl], count, coef, state.exp_avg[sl], state.exp_avg_sq[sl], state.master[sl],
-                      out.exp_avg[sl], out.exp_avg_sq[sl], out.master[sl], lr, state.step + 1, spec, scratch[sl])
+                      out.exp_avg[sl], out.exp_avg_sq[sl], out.master[sl], lr, state.step + 1, spec, scratch[:b - a])
         return
     grad = grad_sum[sl] / count
     if coef < 1.0:

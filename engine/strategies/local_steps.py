@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from acco_loco.acco import RoundKind, RoundPlan
-from acco_loco.optim import clip_coefficient, propose_step
+from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_step
 from acco_loco.outer import merge_delayed, pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
-from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
+from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from .base import Strategy
 
 
@@ -88,6 +88,8 @@ class LocalStepStrategy(Strategy):
         self.done = False  # this worker reached its step budget (outer_period_s)
         self.last: OuterTotals | None = None
         self.period_start = time.perf_counter()
+        self._scratch: torch.Tensor | None = None  # the fused inner step's square roots, one piece long
+        self._rank = 0
 
     @classmethod
     def from_config(cls, cfg) -> "LocalStepStrategy":
@@ -120,6 +122,7 @@ class LocalStepStrategy(Strategy):
         if master.numel() != ctx.flat.padded:
             raise RuntimeError(f"{self.name} needs the inner optimizer state of the whole buffer "
                                f"({ctx.flat.padded} values), the engine gave {master.numel()}")
+        self._rank = ctx.comm.rank
         self.theta_sync = master.detach().clone()
         self.submitted = torch.zeros_like(master)
         self.setup_outer(ctx)
@@ -139,20 +142,49 @@ class LocalStepStrategy(Strategy):
         self.period.micro_batches += count
         self.period.samples += samples
         self.period.loss_sum += loss_sum
-        grad = grad_sum.to(torch.float32) / count
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))  # one host read
+        grad_sum = grad_sum.to(torch.float32)  # no copy in fp32
+        sq = float(torch.dot(grad_sum, grad_sum))  # one pass, one host read
+        squares_fit = math.isfinite(sq)
+        if not squares_fit:  # NaN/Inf, or finite values whose fp32 squares overflowed (rare)
+            sq = float(squared_norm_f64(grad_sum))
+        norm = math.sqrt(sq) / count
         if not math.isfinite(norm):
             return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite gradient")
         coef = clip_coefficient(norm, cfg.max_grad_norm)
-        if coef < 1.0:
-            grad.mul_(coef)
-        proposal = propose_step(ctx.shard_state, grad, lr, ctx.spec)
-        if not bool(torch.isfinite(proposal.master).all()):
-            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
-        ctx.shard_state.install(proposal)
+        state = ctx.shard_state
+        if squares_fit and can_fuse(ctx.spec, grad_sum, state):
+            self._step_in_place(state, grad_sum, count, coef, lr, ctx.spec, step_index)
+        else:
+            grad = grad_sum / count
+            if coef < 1.0:
+                grad.mul_(coef)
+            proposal = propose_step(state, grad, lr, ctx.spec)
+            if not bool(torch.isfinite(proposal.master).all()):
+                return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
+            state.install(proposal)
         with torch.no_grad():
-            ctx.flat.data.copy_(proposal.master)
+            ctx.flat.data.copy_(state.master)
         return InnerStep(lr, norm, loss_sum / count, False)
+
+    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec,
+                       step_index: int) -> None:
+        """The fused AdamW step written over the state, in pieces sharing one small scratch: no
+        second copy of the full-size inner state. Skipping without a trace needs no copy either:
+        a gradient whose fp32 squares are finite gives finite moments and a bounded AdamW update
+        (|m_hat| / sqrt(v_hat) stays below a small constant), so the parameters stay finite
+        unless they were already near the fp32 limit, which is refused as an error."""
+        n, piece = grad_sum.numel(), 1 << 20
+        if self._scratch is None or self._scratch.device != grad_sum.device:
+            self._scratch = torch.empty(min(n, piece), dtype=torch.float32, device=grad_sum.device)
+        for a in range(0, n, piece):
+            propose_slice(state, grad_sum, count, coef, lr, spec, state, a, min(n, a + piece), self._scratch, True)
+        state.step += 1
+        if not math.isfinite(float(torch.dot(state.master, state.master))) and \
+                not bool(torch.isfinite(state.master).all()):
+            raise NonFiniteGradientError(
+                f"inner step {step_index + 1} on rank {self._rank} gave non-finite parameters from a finite "
+                "gradient: the parameters were already near the float32 limit; lower the learning rate or "
+                "add weight decay, and restart from the last checkpoint")
 
     def _skip_inner(self, ctx: RoundContext, step_index: int, lr: float, loss: float, why: str) -> InnerStep:
         if ctx.cfg.nan_policy == "stop":
