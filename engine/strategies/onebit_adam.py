@@ -84,6 +84,11 @@ class OnebitAdam(ShardedStrategy):
         if cfg.optimizer != "adamw":
             raise ValueError(f"strategy 'onebit_adam' is 1-bit Adam, it freezes AdamW's second moment: set "
                              f"optimizer='adamw' (got {cfg.optimizer!r})")
+        if cfg.codec != "none":
+            # the frozen variance is built from the warmup's gradients: a value whose quantized
+            # gradients were all 0 would be masked as unused for the rest of the run
+            raise ValueError(f"strategy 'onebit_adam' compresses its momentum itself and its warmup needs exact "
+                             f"gradients for the variance it freezes: set codec='none' (got {cfg.codec!r})")
 
     # ------------------------------------------------------------------ warmup
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:

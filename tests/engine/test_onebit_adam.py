@@ -20,7 +20,7 @@ from engine import Engine, EngineConfig
 from engine.local_group import spawn
 from engine.rounds import NonFiniteGradientError
 from engine.strategies.onebit_adam import compressed_step_bytes
-from tests.tiny import HIDDEN, IN, OUT, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
+from tests.tiny import HIDDEN, IN, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, LR, WD, WARMUP, STEPS, G = 2, 1e-2, 0.1, 3, 8, 8
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -354,9 +354,20 @@ def test_non_finite_compressed_step_is_skipped_or_stops():
         strict.fit(bad)
 
 
-def test_refuses_another_optimizer():
+def test_int8_parameter_deltas_in_warmup_then_the_master_is_kept_whole():
+    """param_codec shapes the warmup rounds only; with int8 parameter deltas the held parameters
+    are not the master, so the freeze gathers an fp32 master and installs it exactly."""
+    run = train(0, {"param_codec": "int8"})
+    assert run["frozen_step"] == WARMUP and run["master"] is not None
+    assert torch.equal(run["gather_buf"], run["master"])
+    assert rel_err(run["params"][-1], OnebitReference(1).run()[-1]) < 1e-3
+
+
+def test_refuses_another_optimizer_or_a_gradient_codec():
     with pytest.raises(ValueError, match="strategy 'onebit_adam' is 1-bit Adam.*set optimizer='adamw'"):
         Engine(tiny_model(0), config(optimizer="sgd"), mse_loss)
+    with pytest.raises(ValueError, match="needs exact gradients for the variance it freezes: set codec='none'"):
+        Engine(tiny_model(0), config(codec="loco4"), mse_loss)
 
 
 @pytest.mark.parametrize("kw, fragment", [
