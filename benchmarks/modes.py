@@ -127,6 +127,9 @@ MODES: dict[str, Mode] = {
     "acco+int4": _engine("acco", "int4"),
     "acco+int4+int8": _engine("acco", "int4", "int8"),
     "dpu+ef8+bf16": _engine("dpu", "ef8", "bfloat16"),
+    # 1-bit Adam (docs/DESIGN.md section 9): AdamW until the variance rule freezes the second
+    # moment, then 1-bit momentum both ways; one round per step, synchronous
+    "onebit-adam": _engine("onebit_adam"),
     # local steps (docs/DESIGN.md section 8): an outer round every H inner steps; the outer lr
     # and momentum, density and error decay are the engine's defaults (DiLoCo's 0.7 / 0.9,
     # SparseLoCo's 2% top-k of 4096-value chunks, 2-bit values, beta 0.95)
@@ -143,7 +146,7 @@ MODES: dict[str, Mode] = {
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
-                   "acco+loco4+int4params+cap1", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
+                   "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
 # ... its default --modes per protocol, without and with --hetero ...
 DEFAULT_MODES = {
@@ -202,25 +205,28 @@ class BatchPlan:
         return f"{self.micro_batch} x grow"
 
 
-def is_local_steps(strategy: str) -> bool:
-    """Whether the engine's ``strategy`` takes inner steps alone between outer rounds."""
+def _strategy_class(strategy: str):
     import importlib
 
     from engine.strategies import STRATEGIES  # imports torch: only when a mode is planned
-    from engine.strategies.local_steps import LocalStepStrategy
 
     module, name = STRATEGIES[strategy].split(":")
-    return issubclass(getattr(importlib.import_module(module), name), LocalStepStrategy)
+    return getattr(importlib.import_module(module), name)
+
+
+def is_local_steps(strategy: str) -> bool:
+    """Whether the engine's ``strategy`` takes inner steps alone between outer rounds."""
+    from engine.strategies.local_steps import LocalStepStrategy
+
+    return issubclass(_strategy_class(strategy), LocalStepStrategy)
 
 
 def _rounds_per_step(strategy: str) -> int:
-    """Rounds per optimizer step; a local-step strategy's optimizer step is an inner step, one
-    batch (its outer rounds come every H of them)."""
+    """Rounds per optimizer step (the strategy's plan); a local-step strategy's optimizer step
+    is an inner step, one batch (its outer rounds come every H of them)."""
     if is_local_steps(strategy):
         return 1
-    from acco_loco.acco import plan_for
-
-    return plan_for(strategy).rounds_per_step
+    return _strategy_class(strategy).plan.rounds_per_step
 
 
 def _divisors_desc(n: int) -> list[int]:

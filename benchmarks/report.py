@@ -108,6 +108,13 @@ def time_to_target_fields(rs: list[dict], targets: dict[int, float]) -> dict:
     }
 
 
+def med_fact(rs: list[dict], key: str):
+    """The median over runs of a fact a strategy reported (None when none did)."""
+    xs = [r.get("strategy_facts", {}).get(key) for r in rs]
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, list[dict]], runs: list[dict],
              targets: dict[int, float], compute_rates: list) -> dict:
     """One mode's row of the table and the JSON (``runs``: every run, all modes)."""
@@ -144,6 +151,8 @@ def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, l
         "step_time_median_s": med("step_time_median_s"),
         "step_time_mean_s": med("step_time_mean_s"),
         "local_steps": MODES[mode].local_steps,
+        "frozen_step": med_fact(rs, "frozen_step"),
+        "wire_bytes_per_step_after_freeze": med("wire_bytes_per_step_after_freeze"),
         "samples_per_s": sps,
         "global_micro_batches_per_step": med("global_micro_batches_median"),
         "min_micro_batches_per_round": med("min_micro_batches_median") if engine else None,
@@ -342,6 +351,41 @@ def verdict(rows: list[dict]) -> str:
     return "\n".join(f"- {x}" for x in lines)
 
 
+def verdict_onebit(rows: list[dict]) -> list[str]:
+    """1-bit Adam against fp32 zero1 (bytes per step after the freeze, held-out loss at equal
+    samples, seed against seed) and its time to target against the reference, PowerSGD rank 4
+    and acco+loco4+int4params."""
+    by = {o["mode"]: o for o in rows}
+    o = by.get("onebit-adam")
+    if o is None:
+        return []
+    reference = next((x["reference"] for x in rows if x.get("reference")), REFERENCES["free"])
+    parts = [f"onebit-adam (freeze after {fmt(o.get('frozen_step'), '.0f')} steps):"]
+    zero1 = by.get("zero1")
+    if zero1 is not None:
+        after, full = o.get("wire_bytes_per_step_after_freeze"), zero1["wire_bytes_per_step_engine"]
+        if after and full:
+            parts.append(f"bytes per step after the freeze 1/{full / after:.1f} of zero1;")
+        gap = loss_vs_reference(o, zero1)
+        if gap["loss_vs_ref_pct"] is not None:
+            per_seed = ", ".join(pct(v) for v in gap["loss_vs_ref_pct_per_seed"].values())
+            parts.append(f"held-out loss {pct(gap['loss_vs_ref_pct'])} vs zero1 at {gap['loss_vs_ref_samples']:.0f} "
+                         f"samples (per seed {per_seed});")
+    for name in (reference, "torch-ddp+powersgd4", "acco+loco4+int4params"):
+        other = by.get(name)
+        if other is None or other is o:
+            continue
+        if name == reference:
+            t, tr = o["time_to_target_s"], other["time_to_target_s"]
+            parts.append(f"time to target {'not reached' if t is None else f'{t:.0f} s'} vs {name} "
+                         f"{fmt(tr, '.0f')} s;")
+        else:
+            mine, theirs, reached = time_to_loss_of(o, other)
+            parts.append(f"reaches {name}'s final loss at {fmt(mine, '.0f')} s ({reached} seeds), "
+                         f"{name} at {fmt(theirs, '.0f')} s;")
+    return [" ".join(parts)]
+
+
 def verdict_local(rows: list[dict]) -> list[str]:
     """The local-step modes against the reference (time to target, bytes per sample, compute
     utilization, loss at equal samples), PowerSGD rank 4, diloco at the same H, and the cost of
@@ -387,7 +431,7 @@ def verdict_local(rows: list[dict]) -> list[str]:
 
 def tables(rows: list[dict]) -> str:
     """The markdown table and the verdict lines under it."""
-    local = "\n".join(f"- {x}" for x in verdict_local(rows))
+    local = "\n".join(f"- {x}" for x in verdict_onebit(rows) + verdict_local(rows))
     return table(rows) + "\n\n" + verdict(rows) + ("\n" + local if local else "")
 
 

@@ -244,6 +244,8 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "min_micro_batches_median": statistics.median(h.get("min_micro_batches", 0) for h in hist) if hist else None,
         "comm_cpu_s_per_round": statistics.median(r0["comm_cpu_s"][1:]) if len(r0.get("comm_cpu_s") or []) > 1 else None,
         "micro_batches_per_rank": [sum(h["micro_batches"] for h in r["history"]) for r in res],
+        "strategy_facts": r0.get("strategy_facts") or {},
+        "wire_bytes_per_step_after_freeze": after_freeze_bytes(hist, (r0.get("strategy_facts") or {}).get("frozen_step")),
         "evals": evals,
         "final_loss": evals[-1]["loss"] if evals else None,
         "history": [{k: h.get(k) for k in ("step", "loss", "lr", "samples", "global_micro_batches", "wire_bytes",
@@ -251,6 +253,13 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
         **phase_summary(res),
     }
+
+
+def after_freeze_bytes(hist: list[dict], frozen_step: int | None) -> float | None:
+    """1-bit Adam: the median bytes of a step after the freeze (the freeze step itself carries
+    the one-time gathers)."""
+    after = [h["wire_bytes"] for h in hist if frozen_step is not None and h["step"] > frozen_step]
+    return statistics.median(after) if after else None
 
 
 def phase_summary(res: list[dict]) -> dict:

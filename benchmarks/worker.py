@@ -356,6 +356,13 @@ def global_history(history: list[dict], world: int) -> list[dict]:
              "global_micro_batches": h["micro_batches"] * world} for h in history]
 
 
+def strategy_facts(engine) -> dict:
+    """What a strategy decided during the run that its history does not say: 1-bit Adam's freeze step."""
+    state = getattr(engine.strategy, "state", None)
+    frozen = getattr(state, "frozen_step", None)
+    return {} if frozen is None else {"frozen_step": frozen}
+
+
 def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from acco_loco.acco import RoundKind
     from engine import Engine
@@ -390,7 +397,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
             "tx_bytes": None if tx0 is None else tx1 - tx0, "round_counts": engine.round_counts,
             "comm_cpu_s": engine.comm_cpu_s,
             "thread_cpu_s": cpu_delta(cpu0, cpu1),
-            "padded_params": engine.flat.padded}
+            "padded_params": engine.flat.padded, "strategy_facts": strategy_facts(engine)}
 
 
 def run_train(spec: dict, t_init: float) -> dict:

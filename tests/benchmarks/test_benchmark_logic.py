@@ -111,3 +111,30 @@ def test_merge_adds_seeds_to_an_earlier_table(tmp_path):
     rows = {o["mode"]: o for o in aggregate(more, runs + [fake_run("zero1", 1e-3, 1, 2.4)], rates)}
     assert set(rows) == {"torch-ddp-acc1", "zero1"} and rows["zero1"]["seeds"] == [0, 1]
     assert rows["zero1"]["final_heldout_loss"] == pytest.approx(2.5)  # median of 2.6 and 2.4
+
+
+def test_onebit_and_local_verdicts_compare_like_for_like():
+    from benchmarks.report import tables
+    from benchmarks.runner import after_freeze_bytes
+
+    hist = [{"step": s, "wire_bytes": b} for s, b in ((1, 19e6), (2, 19e6), (3, 40e6), (4, 0.75e6), (5, 0.75e6))]
+    assert after_freeze_bytes(hist, 3) == 0.75e6 and after_freeze_bytes(hist, None) is None
+    args = parse_args(["--seeds", "1", "--no-lr-sweep", "--samples", "160",
+                       "--modes", "torch-ddp,zero1,onebit-adam,diloco-h15,sparseloco-h15,sparseloco-h15+overlap"])
+    onebit = {**fake_run("onebit-adam", 1e-3, 0, 2.525), "wire_bytes_per_step_after_freeze": 0.76e6,
+              "strategy_facts": {"frozen_step": 20}}
+    runs = [fake_run("torch-ddp", 1e-3, 0, 2.5, wire=19e6), fake_run("zero1", 1e-3, 0, 2.5, wire=19e6), onebit,
+            {**fake_run("diloco-h15", 1e-3, 0, 2.4, t_end=50, wire=1.3e6), "step_time_mean_s": 0.5},
+            {**fake_run("sparseloco-h15", 1e-3, 0, 2.45, t_end=40, wire=0.012e6), "step_time_mean_s": 0.4},
+            {**fake_run("sparseloco-h15+overlap", 1e-3, 0, 2.5, t_end=30, wire=0.012e6), "step_time_mean_s": 0.3}]
+    text = tables(aggregate(args, runs, [20.0]))
+    # 1-bit Adam: 19e6 / 0.76e6 = 25.0; (2.525 / 2.5 - 1) = +1.0% at 200 samples
+    assert "onebit-adam (freeze after 20 steps): bytes per step after the freeze 1/25.0 of zero1;" in text
+    assert "held-out loss +1.0% vs zero1 at 200 samples" in text and "time to target not reached vs torch-ddp 100 s" in text
+    # the local modes: bytes per sample against DDP's (the same samples per step here), the loss
+    # against diloco at the same H and against the same mode without overlap, seed against seed
+    # the target 2.5 is reached at 20 + 0.95 x 20 = 39 s, DDP's at 100 s
+    assert "sparseloco-h15 (200 samples): time to target 0.39x torch-ddp;" in text
+    assert "bytes per sample 1/1583 of torch-ddp" in text
+    assert "vs diloco-h15 +2.1% at 200 samples" in text
+    assert "sparseloco-h15+overlap (200 samples):" in text and "vs without overlap +2.0% at 200 samples" in text
