@@ -195,8 +195,10 @@ def add_derived(out: list[dict], workers: int, rate: str, micro_batch: int, refe
             compute_s = per_step / rate_c  # workers run in parallel
             limit = max(compute_s, o["wire_bytes_per_step_engine"] / link)
         o["step_limit_s"] = limit
-        # a local-step mode's median inner step holds no outer round: its mean is its step
-        step_s = o.get("step_time_mean_s") if o.get("local_steps") else o.get("step_time_median_s")
+        # uneven steps: a local-step mode's median inner step holds no outer round, 1-bit Adam's
+        # median step is after the freeze; their bytes are the mean, and so is their step
+        uneven = o.get("local_steps") or o.get("frozen_step") is not None
+        step_s = o.get("step_time_mean_s") if uneven else o.get("step_time_median_s")
         o["overlap_efficiency"] = limit / step_s if limit and step_s else None
         o["samples_per_s_vs_ref"] = (o["samples_per_s"] / ref["samples_per_s"]
                                      if ref and ref["samples_per_s"] and o["samples_per_s"] else None)
@@ -361,11 +363,12 @@ def verdict_onebit(rows: list[dict]) -> list[str]:
         return []
     reference = next((x["reference"] for x in rows if x.get("reference")), REFERENCES["free"])
     parts = [f"onebit-adam (freeze after {fmt(o.get('frozen_step'), '.0f')} steps):"]
-    zero1 = by.get("zero1")
+    zero1, after = by.get("zero1"), o.get("wire_bytes_per_step_after_freeze")
+    full_name = "zero1" if zero1 is not None else reference
+    full = (zero1 or by.get(reference) or {}).get("wire_bytes_per_step_engine")
+    if after and full:
+        parts.append(f"bytes per step after the freeze {after / 1e6:.3f} MB, 1/{full / after:.1f} of {full_name};")
     if zero1 is not None:
-        after, full = o.get("wire_bytes_per_step_after_freeze"), zero1["wire_bytes_per_step_engine"]
-        if after and full:
-            parts.append(f"bytes per step after the freeze 1/{full / after:.1f} of zero1;")
         gap = loss_vs_reference(o, zero1)
         if gap["loss_vs_ref_pct"] is not None:
             per_seed = ", ".join(pct(v) for v in gap["loss_vs_ref_pct_per_seed"].values())

@@ -129,7 +129,7 @@ def test_onebit_and_local_verdicts_compare_like_for_like():
             {**fake_run("sparseloco-h15+overlap", 1e-3, 0, 2.5, t_end=30, wire=0.012e6), "step_time_mean_s": 0.3}]
     text = tables(aggregate(args, runs, [20.0]))
     # 1-bit Adam: 19e6 / 0.76e6 = 25.0; (2.525 / 2.5 - 1) = +1.0% at 200 samples
-    assert "onebit-adam (freeze after 20 steps): bytes per step after the freeze 1/25.0 of zero1;" in text
+    assert "onebit-adam (freeze after 20 steps): bytes per step after the freeze 0.760 MB, 1/25.0 of zero1;" in text
     assert "held-out loss +1.0% vs zero1 at 200 samples" in text and "time to target not reached vs torch-ddp 100 s" in text
     # the local modes: bytes per sample against DDP's (the same samples per step here), the loss
     # against diloco at the same H and against the same mode without overlap, seed against seed
