@@ -300,6 +300,13 @@ def time_to_loss_of(o: dict, other: dict) -> tuple[float | None, float | None, s
     return med(mine), med(theirs), f"{len(mine)}/{n}"
 
 
+def reaches_final_of(o: dict, other: dict) -> str:
+    """When ``o`` reaches ``other``'s final held-out loss and when ``other`` does, seed against seed."""
+    mine, theirs, reached = time_to_loss_of(o, other)
+    return (f"reaches {other['mode']}'s final loss " + (f"at {mine:.0f} s" if mine is not None else "never")
+            + f" ({reached} seeds), {other['mode']} at {fmt(theirs, '.0f')} s;")
+
+
 def verdict(rows: list[dict]) -> str:
     """The issue's comparisons, computed from the table (medians over seeds)."""
     by = {o["mode"]: o for o in rows}
@@ -330,10 +337,7 @@ def verdict(rows: list[dict]) -> str:
             parts.append(f"held-out loss {pct(o['loss_vs_ref_pct'])} vs {reference} at "
                          f"{o['loss_vs_ref_samples']:.0f} samples;")
         if "torch-ddp+powersgd4" in by:
-            mine, theirs, reached = time_to_loss_of(o, by["torch-ddp+powersgd4"])
-            parts.append("reaches torch-ddp+powersgd4's final loss " + (
-                f"at {mine:.0f} s ({reached} seeds)" if mine is not None else f"never ({reached} seeds)")
-                + f", PowerSGD at {fmt(theirs, '.0f')} s;")
+            parts.append(reaches_final_of(o, by["torch-ddp+powersgd4"]))
         if o["throughput_efficiency"] is not None:
             parts.append(f"efficiency {o['throughput_efficiency']:.2f};")
         if o.get("overlap_efficiency") is not None:
@@ -383,9 +387,7 @@ def verdict_onebit(rows: list[dict]) -> list[str]:
             parts.append(f"time to target {'not reached' if t is None else f'{t:.0f} s'} vs {name} "
                          f"{fmt(tr, '.0f')} s;")
         else:
-            mine, theirs, reached = time_to_loss_of(o, other)
-            parts.append(f"reaches {name}'s final loss at {fmt(mine, '.0f')} s ({reached} seeds), "
-                         f"{name} at {fmt(theirs, '.0f')} s;")
+            parts.append(reaches_final_of(o, other))
     return [" ".join(parts)]
 
 
@@ -404,10 +406,7 @@ def verdict_local(rows: list[dict]) -> list[str]:
             parts.append("target not reached;" if t is None else
                          f"time to target {t / ref['time_to_target_s']:.2f}x {reference};")
         if "torch-ddp+powersgd4" in by:
-            mine, theirs, reached = time_to_loss_of(o, by["torch-ddp+powersgd4"])
-            parts.append("reaches torch-ddp+powersgd4's final loss " + (
-                f"at {mine:.0f} s ({reached} seeds)" if mine is not None else f"never ({reached} seeds)")
-                + f", PowerSGD at {fmt(theirs, '.0f')} s;")
+            parts.append(reaches_final_of(o, by["torch-ddp+powersgd4"]))
         if ref is not None and ref["wire_bytes_per_step_engine"] and o["wire_bytes_per_step_engine"] is not None \
                 and o.get("samples_per_step") and ref.get("samples_per_step"):
             per_sample = (o["wire_bytes_per_step_engine"] / o["samples_per_step"]) / \

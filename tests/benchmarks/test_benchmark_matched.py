@@ -282,7 +282,7 @@ def test_the_matched_table_and_verdict():
     assert "held-out loss -1.2% vs torch-ddp at 3072 samples" in lines
     # PowerSGD's final (2.44, 2.45, 2.43) at 0.833, 0.793, 0.782 of the second half: 147, 151, 157 s;
     # PowerSGD itself at its end, 90, 94.5, 99 s
-    assert "reaches torch-ddp+powersgd4's final loss at 151 s (3/3 seeds), PowerSGD at 94 s" in lines
+    assert "reaches torch-ddp+powersgd4's final loss at 151 s (3/3 seeds), torch-ddp+powersgd4 at 94 s" in lines
     assert "time to target 0.39x best torch-ddp (torch-ddp)" in lines  # 165.7 s / 420 s
     assert "zero1 +0.4%, acco +0.9%" in lines and "acco - zero1: the one-step delay" in lines
 
