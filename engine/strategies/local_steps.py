@@ -89,7 +89,6 @@ class LocalStepStrategy(Strategy):
         self.last: OuterTotals | None = None
         self.period_start = time.perf_counter()
         self._scratch: torch.Tensor | None = None  # the fused inner step's square roots, one piece long
-        self._rank = 0
 
     @classmethod
     def from_config(cls, cfg) -> "LocalStepStrategy":
@@ -122,7 +121,6 @@ class LocalStepStrategy(Strategy):
         if master.numel() != ctx.flat.padded:
             raise RuntimeError(f"{self.name} needs the inner optimizer state of the whole buffer "
                                f"({ctx.flat.padded} values), the engine gave {master.numel()}")
-        self._rank = ctx.comm.rank
         self.theta_sync = master.detach().clone()
         self.submitted = torch.zeros_like(master)
         self.setup_outer(ctx)
@@ -153,7 +151,7 @@ class LocalStepStrategy(Strategy):
         coef = clip_coefficient(norm, cfg.max_grad_norm)
         state = ctx.shard_state
         if squares_fit and can_fuse(ctx.spec, grad_sum, state):
-            self._step_in_place(state, grad_sum, count, coef, lr, ctx.spec, step_index)
+            self._step_in_place(state, grad_sum, count, coef, lr, ctx.spec, f"inner step {step_index + 1} on rank {ctx.comm.rank}")
         else:
             grad = grad_sum / count
             if coef < 1.0:
@@ -167,7 +165,7 @@ class LocalStepStrategy(Strategy):
         return InnerStep(lr, norm, loss_sum / count, False)
 
     def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec,
-                       step_index: int) -> None:
+                       which: str) -> None:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
         second copy of the full-size inner state. Skipping without a trace needs no copy either:
         a gradient whose fp32 squares are finite gives finite moments and a bounded AdamW update
@@ -182,7 +180,7 @@ class LocalStepStrategy(Strategy):
         if not math.isfinite(float(torch.dot(state.master, state.master))) and \
                 not bool(torch.isfinite(state.master).all()):
             raise NonFiniteGradientError(
-                f"inner step {step_index + 1} on rank {self._rank} gave non-finite parameters from a finite "
+                f"{which} gave non-finite parameters from a finite "
                 "gradient: the parameters were already near the float32 limit; lower the learning rate or "
                 "add weight decay, and restart from the last checkpoint")
 
