@@ -275,6 +275,10 @@ def check_lr_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error("--lr-sweep and --lr-from exclude each other")
     if a.sweep_seeds is not None and not 1 <= a.sweep_seeds <= a.seeds:
         ap.error(f"--sweep-seeds must lie in [1, --seeds={a.seeds}]")
+    if a.lr_sweep and a.sweep_seeds is not None and a.first_seed >= a.sweep_seeds and not a.merge:
+        ap.error(f"the lr sweep runs on seeds 0..{a.sweep_seeds - 1}, but this run starts at --first-seed "
+                 f"{a.first_seed}: nothing would be swept. Add --merge JSON of the sweep's run (its best lrs "
+                 f"are kept), --lr-from JSON, or --no-lr-sweep to run every seed at --lr")
     a.mode_lr = {}
     if a.lr_from:
         try:

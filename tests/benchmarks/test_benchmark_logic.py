@@ -98,6 +98,15 @@ def test_later_seeds_use_the_lr_the_sweep_seeds_chose():
     assert runs_for_seed(args, 2, done) == [(1e-3, "zero1")]
 
 
+def test_a_sweep_that_would_sweep_nothing_is_refused(capsys):
+    # later seeds take the sweep seeds' best lr: with no earlier runs there is nothing to take it from
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "zero1", "--first-seed", "1", "--seeds", "2"])
+    assert "nothing would be swept" in capsys.readouterr().err
+    assert parse_args(["--modes", "zero1", "--first-seed", "1", "--seeds", "2", "--no-lr-sweep"]).lrs == [1e-3]
+    assert parse_args(["--modes", "zero1", "--first-seed", "1", "--merge", "a.json"]).lr_sweep
+
+
 def test_merge_adds_seeds_to_an_earlier_table(tmp_path):
     from benchmarks.runner import load_runs
 
