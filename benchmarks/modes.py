@@ -114,6 +114,9 @@ MODES: dict[str, Mode] = {
     "zero1": _engine("zero1"),
     "dpu": _engine("dpu"),
     "acco": _engine("acco"),
+    # zero1 with a round's micro-batches shared out equally whatever --balance says: under
+    # --hetero --balance speed, the synchronous baseline a user has without speed shares
+    "zero1+equal-shares": _engine("zero1", balance="equal"),
     # this engine, compressed: LoCo 4-bit gradients + int8 / int4 parameter deltas
     "acco+loco4": _ACCO_LOCO4_INT8,
     "acco+loco4+int8": _ACCO_LOCO4_INT8,  # the same mode under loco_quality's name
@@ -145,7 +148,7 @@ MODES: dict[str, Mode] = {
 
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
-                   "torch-ddp+powersgd4", "zero1", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
+                   "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
                    "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
 # ... its default --modes per protocol, without and with --hetero ...

@@ -5,6 +5,7 @@ docs/DESIGN.md section 4 (:func:`add_derived`), the markdown table and the verdi
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import statistics
@@ -345,9 +346,11 @@ def verdict(rows: list[dict]) -> str:
         if ddp_bytes and o["wire_bytes_per_step_engine"]:
             parts.append(f"wire bytes/step {o['wire_bytes_per_step_engine'] / ddp_bytes:.3f}x {reference}")
         lines.append(" ".join(parts))
-    if "acco" in by and "zero1" in by and by["acco"]["samples_per_s"] and by["zero1"]["samples_per_s"]:
-        lines.append(f"acco vs zero1: samples/s {by['acco']['samples_per_s'] / by['zero1']['samples_per_s']:.2f}x, "
-                     f"final held-out loss {by['acco']['final_heldout_loss'] / by['zero1']['final_heldout_loss']:.3f}x")
+    for fast, base in itertools.product(("acco", "acco+loco4+int4params"), ("zero1", "zero1+equal-shares")):
+        # heterogeneous workers: speed shares + overlap against synchronous zero1 (with and without shares)
+        if fast in by and base in by and by[fast]["samples_per_s"] and by[base]["samples_per_s"]:
+            lines.append(f"{fast} vs {base}: samples/s {by[fast]['samples_per_s'] / by[base]['samples_per_s']:.2f}x, "
+                         f"final held-out loss {by[fast]['final_heldout_loss'] / by[base]['final_heldout_loss']:.3f}x")
     split = [(m, by[m]["loss_vs_ref_pct"]) for m in ("zero1", "acco", "acco+loco4", "acco+loco4+int4params")
              if m in by and by[m].get("loss_vs_ref_pct") is not None]
     if len(split) > 1:

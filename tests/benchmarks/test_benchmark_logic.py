@@ -77,6 +77,18 @@ def test_verdict_compares_against_the_best_ddp_and_powersgd():
     assert "acco vs zero1: samples/s 1.50x" in text
 
 
+def test_verdict_compares_acco_with_zero1_with_and_without_speed_shares():
+    args = parse_args(["--hetero", "--global-batch", "48", "--balance", "speed", "--seeds", "1", "--no-lr-sweep",
+                       "--modes", "torch-ddp,zero1,zero1+equal-shares,acco,acco+loco4+int4params"])
+    runs = [fake_run("torch-ddp", 1e-3, 0, 2.5), fake_run("zero1", 1e-3, 0, 2.5, sps=12.0),
+            fake_run("zero1+equal-shares", 1e-3, 0, 2.5, sps=8.0), fake_run("acco", 1e-3, 0, 2.525, sps=16.0),
+            fake_run("acco+loco4+int4params", 1e-3, 0, 2.45, sps=20.0)]
+    text = verdict(aggregate(args, runs, [20.0]))
+    assert "acco vs zero1: samples/s 1.33x, final held-out loss 1.010x" in text
+    assert "acco vs zero1+equal-shares: samples/s 2.00x" in text
+    assert "acco+loco4+int4params vs zero1+equal-shares: samples/s 2.50x, final held-out loss 0.980x" in text
+
+
 def test_overlap_efficiency_is_the_physical_limit_over_the_step_time():
     from benchmarks.report import add_derived
     from benchmarks.testbed import parse_rate

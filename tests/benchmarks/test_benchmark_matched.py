@@ -312,3 +312,12 @@ def test_loss_at_samples_interpolates():
     assert loss_at_samples(evals, 200) == 2.0
     assert loss_at_samples(evals, 250) is None and loss_at_samples(evals, 50) is None
     assert math.isclose(loss_at_samples(evals, 100), 3.0)
+
+
+
+def test_equal_shares_zero1_keeps_equal_shares_under_speed_balance():
+    # --hetero --balance speed: zero1 takes speed shares, zero1+equal-shares the status quo
+    args = parse_args(["--hetero", "--global-batch", "48", "--balance", "speed",
+                       "--modes", "zero1,zero1+equal-shares,acco"])
+    balance = {m: engine_config(train_spec(args, m, 1e-3, 0)).balance for m in args.modes}
+    assert balance == {"zero1": "speed", "zero1+equal-shares": "equal", "acco": "speed"}
