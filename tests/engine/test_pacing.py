@@ -71,7 +71,8 @@ def _rounds(rank: int, world: int, overhead: float) -> list[int]:
         time.sleep(0.01)  # 10 ms of "compute" that leaves the CPU to the comm side
         return mse_loss(model, batch)
 
-    cfg = EngineConfig(strategy="acco", lr=1e-2, accumulation="grow", micro_batches=1, max_micro_batches=8, max_steps=8,
+    # the cap sits far above both the floor (~19) and the unpaced rounds (~3-4, more under load)
+    cfg = EngineConfig(strategy="acco", lr=1e-2, accumulation="grow", micro_batches=1, max_micro_batches=32, max_steps=8,
                        align=8, max_round_overhead=overhead)
     engine = Engine(tiny_model(0), cfg, loss_fn)
     engine.fit(worker_stream(rank, 5000))
@@ -90,7 +91,11 @@ def test_engine_raises_the_floor_when_rounds_cost_cpu():
         off, on = per_rank[0.0], per_rank[0.15]
         # measured: at least the burnt CPU per round (after the first)
         assert statistics.median(on["comm_cpu"][1:]) >= 0.8 * BURN_S
-        # c / (f t) = 0.03 / (0.15 * ~0.0105) ~ 19 -> the cap of 8 from round 3 on
-        assert on["floor"][-1] == 8 and all(c == 8 for c in on["counts"][3:-1])
+        # c / (f t) = 0.03 / (0.15 * ~0.0105) ~ 19 (c >= 0.024 and t <= 0.013 keep it >= 13); the
+        # burn is thread CPU time, so a loaded machine stretches its wall time, not the floor
+        assert on["floor"][-1] >= 13 and all(c >= 13 for c in on["counts"][3:-1])
         # without the floor a round ends as soon as the one in flight is done: ~3-4 micro-batches
-        assert statistics.median(off["counts"][2:]) < 8 and all(f == 1 for f in off["floor"])
+        # on a quiet machine; the burn's wall time (and so the count) grows with the load, the
+        # floor does not: 1 / f = 6.7x apart when quiet, still apart at 3x load
+        assert all(f == 1 for f in off["floor"])
+        assert statistics.median(off["counts"][2:]) * 1.5 <= statistics.median(on["counts"][3:-1])
