@@ -151,7 +151,11 @@ class LocalStepStrategy(Strategy):
         coef = clip_coefficient(norm, cfg.max_grad_norm)
         state = ctx.shard_state
         if squares_fit and can_fuse(ctx.spec, grad_sum, state):
-            self._step_in_place(state, grad_sum, count, coef, lr, ctx.spec, f"inner step {step_index + 1} on rank {ctx.comm.rank}")
+            if not self._step_in_place(state, grad_sum, count, coef, lr, ctx.spec):
+                raise NonFiniteGradientError(
+                    f"inner step {step_index + 1} on rank {ctx.comm.rank} gave non-finite parameters from a "
+                    "finite gradient: the parameters were already near the float32 limit; lower the learning "
+                    "rate or add weight decay, and restart from the last checkpoint")
         else:
             grad = grad_sum / count
             if coef < 1.0:
@@ -164,25 +168,19 @@ class LocalStepStrategy(Strategy):
             ctx.flat.data.copy_(state.master)
         return InnerStep(lr, norm, loss_sum / count, False)
 
-    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec,
-                       which: str) -> None:
+    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec) -> bool:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
         second copy of the full-size inner state. Skipping without a trace needs no copy either:
         a gradient whose fp32 squares are finite gives finite moments and a bounded AdamW update
         (|m_hat| / sqrt(v_hat) stays below a small constant), so the parameters stay finite
-        unless they were already near the fp32 limit, which is refused as an error."""
+        unless they were already near the fp32 limit: returns False then (the caller refuses it)."""
         n, piece = grad_sum.numel(), 1 << 20
         if self._scratch is None or self._scratch.device != grad_sum.device:
             self._scratch = torch.empty(min(n, piece), dtype=torch.float32, device=grad_sum.device)
         for a in range(0, n, piece):
             propose_slice(state, grad_sum, count, coef, lr, spec, state, a, min(n, a + piece), self._scratch, True)
         state.step += 1
-        if not math.isfinite(float(torch.dot(state.master, state.master))) and \
-                not bool(torch.isfinite(state.master).all()):
-            raise NonFiniteGradientError(
-                f"{which} gave non-finite parameters from a finite "
-                "gradient: the parameters were already near the float32 limit; lower the learning rate or "
-                "add weight decay, and restart from the last checkpoint")
+        return math.isfinite(float(torch.dot(state.master, state.master))) or bool(torch.isfinite(state.master).all())
 
     def _skip_inner(self, ctx: RoundContext, step_index: int, lr: float, loss: float, why: str) -> InnerStep:
         if ctx.cfg.nan_policy == "stop":

@@ -314,7 +314,6 @@ def test_loss_at_samples_interpolates():
     assert math.isclose(loss_at_samples(evals, 100), 3.0)
 
 
-
 def test_equal_shares_zero1_keeps_equal_shares_under_speed_balance():
     # --hetero --balance speed: zero1 takes speed shares, zero1+equal-shares the status quo
     args = parse_args(["--hetero", "--global-batch", "48", "--balance", "speed",
