@@ -6,6 +6,7 @@ docs/DESIGN.md section 4 (:func:`add_derived`), the markdown table and the verdi
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shlex
 import statistics
@@ -98,10 +99,15 @@ def aggregate(args, runs: list[dict], compute_rates: list) -> list[dict]:
 
 
 def time_to_target_fields(rs: list[dict], targets: dict[int, float]) -> dict:
+    """Time to target over seeds. The median counts a seed that never reached the target as
+    infinitely late, so 2 reached seeds of 3 give the slower of the two, and 1 of 3 gives
+    "not reached": a mode is not credited with the seeds it missed."""
     ttt = [time_to_target(r["evals"], targets.get(r["seed"])) for r in rs]
     reached = [t for t in ttt if t is not None]
+    median = statistics.median([math.inf if t is None else t for t in ttt]) if ttt else math.inf
     return {
-        "time_to_target_s": statistics.median(reached) if reached else None,
+        "time_to_target_s": median if math.isfinite(median) else None,
+        "time_to_target_reached_median_s": statistics.median(reached) if reached else None,
         "time_to_target_min_s": min(reached) if reached else None,
         "time_to_target_max_s": max(reached) if reached else None,
         "time_to_target_per_seed": ttt,

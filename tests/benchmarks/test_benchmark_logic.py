@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.report import aggregate, time_to_target, verdict
+from benchmarks.report import aggregate, time_to_target, time_to_target_fields, verdict
 from benchmarks.runner import runs_for_seed
 from recipes.benchmark import parse_args
 
@@ -30,6 +30,19 @@ def test_time_to_target_interpolates_between_eval_points():
     assert time_to_target(evals, 2.5) == pytest.approx(15.0)
     assert time_to_target(evals, 3.5) == pytest.approx(10.0)
     assert time_to_target(evals, 1.0) is None
+
+
+def test_time_to_target_median_counts_a_missed_seed_as_never():
+    def run(seed, losses):
+        return {"seed": seed, "evals": [{"time_s": 10.0 * (i + 1), "loss": x} for i, x in enumerate(losses)]}
+    targets = {0: 2.0, 1: 2.0, 2: 2.0}
+    reached_at_10, reached_at_30, missed = run(0, [1.9, 1.8, 1.7]), run(1, [2.5, 2.2, 2.0]), run(2, [2.5, 2.4, 2.3])
+    two_of_three = time_to_target_fields([reached_at_10, reached_at_30, missed], targets)
+    assert two_of_three["time_to_target_s"] == pytest.approx(30.0)  # the slower reached seed, not their median 20
+    assert two_of_three["time_to_target_reached_median_s"] == pytest.approx(20.0)
+    assert two_of_three["reached_target"] == "2/3" and two_of_three["time_to_target_per_seed"][2] is None
+    one_of_three = time_to_target_fields([reached_at_10, missed, run(2, [2.5, 2.5, 2.5])], targets)
+    assert one_of_three["time_to_target_s"] is None and one_of_three["time_to_target_min_s"] == pytest.approx(10.0)
 
 
 def test_sweep_seeds_then_each_modes_best_lr():
