@@ -30,7 +30,7 @@ which keeps both at similar magnitudes (they are stored as a LoRA adapter, possi
 float16). The SVD of one layer serves every rank up to its maximum: a rank-``r`` truncation is
 a prefix of the rank-``R`` one.
 
-Pure float64 tensor math, no modules or hooks; ``recipes/export.py`` collects the Gram
+Pure float64 tensor math, no modules or hooks; ``lm/calibration.py`` collects the Gram
 matrices.
 """
 

@@ -33,7 +33,7 @@ these tensors under ``<module>.qweight``, ``<module>.scales`` and ``<module>.zer
 * ``zeros``: ``uint8``, shape ``(out, padded_in / group_size)``, the zero-point codes ``z``
   (constant ``2**(bits-1)`` when symmetric).
 
-Pure tensor math: no files, no modules. The recipe ``recipes/export.py`` writes the files.
+Pure tensor math: no files, no modules. ``lm/quantized_files.py`` writes the files.
 """
 
 from __future__ import annotations

@@ -7,31 +7,26 @@
     python recipes/export.py --help                                         # every flag
 
 Steps: (1) one calibration pass over ``--calib-samples`` windows of the training text (default:
-Shakespeare minus the held-out Hamlet) accumulates, with forward pre-hooks, the input Gram
-matrix ``X X^T`` of every linear layer of the transformer blocks; layers that read the same
-input (q/k/v, gate/up) share one. No activation is kept beyond the current batch. (2) Block by
-block: every linear weight is quantized group-wise (round-to-nearest, asymmetric by default;
+Shakespeare minus the held-out Hamlet) accumulates the input Gram matrix ``X X^T`` of every
+linear layer of the transformer blocks (``lm.calibration``). (2) Block by block: every linear
+weight is quantized group-wise (round-to-nearest, asymmetric by default;
 ``acco_loco.weight_quant`` documents the format) and its error ``dW = W - deQ(Q(W))`` is
-compensated by a rank-r EoRA residual ``B A`` (``acco_loco.eora``). (3) The export is written.
-(4) Held-out perplexity of fp32, RTN and RTN + residual for every ``--bits`` x ``--ranks``
-(and plain SVD residuals with ``--ablation svd``), with the model's byte size.
+compensated by a rank-r EoRA residual ``B A`` (``acco_loco.eora``). (3) The export is written
+(``lm.quantized_files``). (4) Held-out perplexity of fp32, RTN and RTN + residual for every
+``--bits`` x ``--ranks`` (and plain SVD residuals with ``--ablation svd``), with the model's
+byte size.
 
 Output directory (``--output-dir OUT``; the first ``--bits`` and the first ``--ranks`` value):
-    OUT/quantized/    quantized.safetensors (packed codes, float16 scales, uint8 zero points, the
-                      unquantized rest in float32) + quantization.json (the format) + config and
-                      tokenizer; ``load_quantized(OUT/quantized)`` rebuilds the model from it
-    OUT/dequantized/  the same model with float32 weights deQ(Q(W)), ``from_pretrained``-loadable
-    OUT/adapter/      the EoRA residual as a PEFT LoRA adapter (lora_A = A, lora_B = B,
-                      lora_alpha = r, so the scale is 1), for the de-quantized base:
-                          model = AutoModelForCausalLM.from_pretrained("OUT/dequantized")
-                          model = PeftModel.from_pretrained(model, "OUT/adapter")
-    OUT/report.json   (or --report) perplexities, bytes, timings; --plot draws perplexity vs rank
+OUT/quantized (packed weights; ``lm.quantized_files.load_quantized`` rebuilds the model),
+OUT/dequantized (float32 deQ(Q(W)), ``from_pretrained``-loadable) and OUT/adapter (the EoRA
+residual as a PEFT LoRA adapter for OUT/dequantized); ``lm/quantized_files.py`` describes the
+files. OUT/report.json (or --report): perplexities, bytes, timings; --plot draws perplexity vs
+rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -39,7 +34,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -50,7 +44,6 @@ if str(REPO) not in sys.path:  # `python recipes/export.py` from a checkout
 
 from acco_loco.eora import (  # noqa: E402
     Eigenbasis,
-    GramAccumulator,
     LowRankResidual,
     eigenbasis,
     eora_residual,
@@ -58,6 +51,13 @@ from acco_loco.eora import (  # noqa: E402
     weighted_error,
 )
 from acco_loco.weight_quant import QuantizedWeight, QuantSpec, dequantize, quantize_weight  # noqa: E402
+from lm.calibration import (  # noqa: E402
+    block_linears,
+    block_of,
+    calibration_windows,
+    collect_grams,
+    shared_input_groups,
+)
 from lm.data import (  # noqa: E402
     ByteTokenizer,
     eval_batches,
@@ -66,12 +66,17 @@ from lm.data import (  # noqa: E402
     split_heldout,
     tokenize_documents,
 )
-from lm.models import load_causal_lm, save_pretrained_plain, transformer_blocks  # noqa: E402
+from lm.models import load_causal_lm  # noqa: E402
+from lm.quantized_files import (  # noqa: E402
+    FORMAT,
+    installed,
+    merged_weights,
+    model_bytes,
+    unique_state,
+    write_export,
+)
 
 TINY_MODEL = "tiny-llama"  # a random 2-block Llama with a byte tokenizer (tests, demos)
-FORMAT = "acco-loco-rtn"
-FORMAT_VERSION = "1"
-PACKED_FILE = "quantized.safetensors"
 CACHE_DIR = Path.home() / ".cache" / "acco_loco" / "models"
 METHODS = ("eora", "svd")
 
@@ -147,93 +152,6 @@ def token_streams(cfg: ExportConfig, tokenizer) -> tuple[torch.Tensor, torch.Ten
             [name for name, _ in held])
 
 
-def calibration_windows(tokens: torch.Tensor, n: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``(n, seq_len)`` windows at seeded random offsets of the training stream."""
-    if tokens.numel() < seq_len:
-        raise ExportError(f"the training text has {tokens.numel()} tokens, fewer than one "
-                          f"calibration window (--calib-seq-len {seq_len}); lower it")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, tokens.numel() - seq_len + 1, (n,), generator=g)
-    return tokens[starts[:, None] + torch.arange(seq_len)]
-
-
-def block_linears(model) -> dict[str, torch.nn.Linear]:
-    """Every ``nn.Linear`` inside the transformer blocks, by module name, in model order."""
-    try:
-        blocks = set(map(id, transformer_blocks(model)))
-    except TypeError as exc:
-        raise ExportError(str(exc)) from exc
-    found: dict[str, torch.nn.Linear] = {}
-    for name, module in model.named_modules():
-        if id(module) in blocks:
-            for sub, child in module.named_modules():
-                if isinstance(child, torch.nn.Linear):
-                    found[f"{name}.{sub}"] = child
-    if not found:
-        raise ExportError(f"{type(model).__name__}: no torch.nn.Linear in the transformer blocks "
-                          "(GPT-2's Conv1D layers are not supported); pass a Llama-style model")
-    return found
-
-
-def _block_of(name: str) -> str:
-    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return name
-
-
-# --------------------------------------------------------------------------------------------
-# Calibration: one pass, Gram matrices only
-# --------------------------------------------------------------------------------------------
-
-
-def _input_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["input"]
-
-
-def shared_input_groups(model, linears: dict[str, torch.nn.Linear], sample: torch.Tensor) -> list[list[str]]:
-    """Linears grouped by the input tensor they read in one short forward (q/k/v share one,
-    gate/up another), so that each Gram matrix is accumulated once."""
-    seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_pre_hook(
-        lambda mod, args, kwargs, name=name: seen.__setitem__(name, _input_of(args, kwargs)),
-        with_kwargs=True) for name, m in linears.items()]
-    try:
-        with torch.inference_mode():
-            model.base_model(input_ids=sample, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    missing = [n for n in linears if n not in seen]
-    if missing:
-        raise ExportError(f"linear layers never called in a forward pass: {missing[:4]}")
-    groups: dict[int, list[str]] = {}
-    for name in linears:  # `seen` holds every input alive, so ids are distinct
-        groups.setdefault(id(seen[name]), []).append(name)
-    return list(groups.values())
-
-
-def collect_grams(model, linears, groups: list[list[str]], windows: torch.Tensor,
-                  batch_size: int, progress: bool) -> dict[str, GramAccumulator]:
-    """One forward pass of the transformer body (no LM head) over the calibration windows;
-    returns a Gram accumulator per group, keyed by the group's first linear."""
-    grams = {g[0]: GramAccumulator(linears[g[0]].in_features) for g in groups}
-    hooks = [linears[key].register_forward_pre_hook(
-        lambda mod, args, kwargs, acc=acc: acc.add(_input_of(args, kwargs)), with_kwargs=True)
-        for key, acc in grams.items()]
-    try:
-        with torch.inference_mode():
-            for batch in tqdm(windows.split(batch_size), desc="calibration", unit="batch",
-                              disable=not progress):
-                model.base_model(input_ids=batch, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return grams
-
-
 # --------------------------------------------------------------------------------------------
 # Quantization and compensation, block by block
 # --------------------------------------------------------------------------------------------
@@ -297,7 +215,7 @@ def compensate_model(linears, groups, grams, specs: list[QuantSpec], methods: tu
     stats = {"gram_matrices": len(groups), "clamped_eigenvalues": 0, "eigenvalues": 0}
     by_block: dict[str, list[list[str]]] = {}
     for group in groups:
-        by_block.setdefault(_block_of(group[0]), []).append(group)
+        by_block.setdefault(block_of(group[0]), []).append(group)
     for block in tqdm(by_block, desc="quantize + compensate", unit="block", disable=not progress):
         for group in by_block[block]:
             gram = grams.pop(group[0]).gram
@@ -313,20 +231,6 @@ def compensate_model(linears, groups, grams, specs: list[QuantSpec], methods: tu
     return results, stats
 
 
-def merged_weights(layers: dict[str, LayerResult], method: str | None, rank: int,
-                   adapter_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``deQ(Q(W)) + B A`` per linear, with ``B``, ``A`` rounded to the adapter's dtype (what
-    the written adapter holds); RTN alone when ``method`` is None or ``rank`` is 0."""
-    out = {}
-    for name, layer in layers.items():
-        w = layer.dequantized
-        if method is not None and rank > 0:
-            b, a = layer.residuals[method].factors(rank, adapter_dtype)
-            w = w + b.float() @ a.float()
-        out[name] = w
-    return out
-
-
 def relative_output_error(layers: dict[str, LayerResult], key: str) -> float:
     """``sum ||E X||^2 / sum ||W X||^2`` over the linears, on the calibration inputs."""
     ref = sum(layer.ref_energy for layer in layers.values())
@@ -334,55 +238,8 @@ def relative_output_error(layers: dict[str, LayerResult], key: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Sizes and evaluation
+# Evaluation
 # --------------------------------------------------------------------------------------------
-
-
-def unique_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state dict without tied duplicates, and ``{alias: name kept}`` for the dropped ones
-    (SmolLM2's ``lm_head.weight`` is ``model.embed_tokens.weight``)."""
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    owner: dict[tuple[int, int, tuple], str] = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in owner:
-            aliases[name] = owner[key]
-        else:
-            owner[key] = name
-            kept[name] = tensor
-    return kept, aliases
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def model_bytes(model, linears, layers: dict[str, LayerResult], rank: int,
-                adapter_dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one configuration: packed weights + scales + zero points, the unquantized rest
-    (embeddings, norms, biases, at the model's precision) and the adapter."""
-    state, _ = unique_state(model)
-    full = sum(_nbytes(t) for t in state.values())
-    rest = full - sum(_nbytes(m.weight) for m in linears.values())
-    packed = sum(layer.packed.nbytes for layer in layers.values())
-    elem = torch.empty((), dtype=adapter_dtype).element_size()
-    adapter = sum(rank * (m.in_features + m.out_features) * elem for m in linears.values())
-    return {"packed_weights": packed, "unquantized_rest": rest, "adapter": adapter,
-            "total": packed + rest + adapter}
-
-
-@contextlib.contextmanager
-def installed(linears: dict[str, torch.nn.Linear], weights: dict[str, torch.Tensor]) -> Iterator[None]:
-    """The given linears run with other weights inside the block; the originals come back after."""
-    saved = {name: linears[name].weight.data for name in weights}
-    try:
-        for name, w in weights.items():
-            linears[name].weight.data = w.to(saved[name].dtype)
-        yield
-    finally:
-        for name, w in saved.items():
-            linears[name].weight.data = w
 
 
 @dataclass
@@ -399,10 +256,7 @@ class Row:
 
 
 def plan_rows(cfg: ExportConfig, model, linears, results, methods, adapter_dtype) -> list[Row]:
-    state, _ = unique_state(model)
-    fp32 = sum(_nbytes(t) for t in state.values())
-    rows = [Row("fp32", None, "fp32", 0, {"packed_weights": 0, "unquantized_rest": fp32,
-                                           "adapter": 0, "total": fp32}, 0.0)]
+    rows = [Row("fp32", None, "fp32", 0, model_bytes(model, {}, {}, 0, adapter_dtype), 0.0)]
     for bits in cfg.bits:
         layers = results[bits]
         rows.append(Row(f"{bits}-bit RTN", bits, "rtn", 0,
@@ -428,126 +282,6 @@ def evaluate_rows(rows: list[Row], model, linears, results, batches, adapter_dty
             res = eval_loss(model, batches)
         row.loss, row.perplexity = res.loss, res.perplexity
         row.eval_seconds = time.perf_counter() - t
-
-
-# --------------------------------------------------------------------------------------------
-# Files: packed weights, de-quantized base, PEFT adapter
-# --------------------------------------------------------------------------------------------
-
-
-def _save_config_and_tokenizer(model, tokenizer, folder: Path) -> None:
-    model.config.save_pretrained(folder)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(folder)
-
-
-def write_packed(folder: Path, model, tokenizer, layers: dict[str, LayerResult], spec: QuantSpec) -> Path:
-    """``folder/quantized.safetensors`` + ``quantization.json`` + config + tokenizer."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    state, aliases = unique_state(model)
-    tensors = {k: v.detach().contiguous() for k, v in state.items()
-               if k.removesuffix(".weight") not in layers}
-    for name, layer in layers.items():
-        tensors[f"{name}.qweight"] = layer.packed.qweight
-        tensors[f"{name}.scales"] = layer.packed.scales
-        tensors[f"{name}.zeros"] = layer.packed.zeros
-    description = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "bits": spec.bits,
-        "group_size": spec.group_size, "symmetric": spec.symmetric,
-        "layout": "see acco_loco/weight_quant.py: per module <name>.qweight uint8 (out, padded_in*bits/8) "
-                  "little-endian bit stream of codes per row; <name>.scales float16 and <name>.zeros "
-                  "uint8 (out, padded_in/group_size); W = (code - zero) * scale, padding columns dropped",
-        "modules": {name: list(layer.packed.shape) for name, layer in layers.items()},
-        "tied": aliases,
-    }
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in description.items()}
-    save_file(tensors, str(folder / PACKED_FILE), metadata=meta)
-    (folder / "quantization.json").write_text(json.dumps(description, indent=2) + "\n")
-    _save_config_and_tokenizer(model, tokenizer, folder)
-    return folder
-
-
-def read_packed(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """The float32 state dict a packed folder stands for (tied aliases left out), and its
-    description."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    desc = json.loads((folder / "quantization.json").read_text())
-    if desc.get("format") != FORMAT or str(desc.get("format_version")) != FORMAT_VERSION:
-        raise ValueError(f"{folder} holds format {desc.get('format')!r} v{desc.get('format_version')}, "
-                         f"this reader knows {FORMAT!r} v{FORMAT_VERSION}")
-    spec = QuantSpec(int(desc["bits"]), int(desc["group_size"]), bool(desc["symmetric"]))
-    state: dict[str, torch.Tensor] = {}
-    with safe_open(str(folder / PACKED_FILE), framework="pt") as f:
-        keys = set(f.keys())
-        for name, shape in desc["modules"].items():
-            qw = QuantizedWeight(f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
-                                 f.get_tensor(f"{name}.zeros"), tuple(shape), spec)
-            state[f"{name}.weight"] = dequantize(qw)
-            keys -= {f"{name}.qweight", f"{name}.scales", f"{name}.zeros"}
-        for key in keys:
-            state[key] = f.get_tensor(key)
-    return state, desc
-
-
-def load_quantized(folder: str | os.PathLike):
-    """Rebuild the de-quantized model (float32, eval mode) from a packed folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    state, desc = read_packed(folder)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in desc["tied"]]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: missing {missing[:4]}, unexpected {unexpected[:4]} tensors")
-    model.tie_weights()
-    return model.float().eval()
-
-
-def write_dequantized(folder: Path, model, tokenizer, linears, layers: dict[str, LayerResult]) -> Path:
-    weights = {name: layer.dequantized for name, layer in layers.items()}
-    with installed(linears, weights):
-        return save_pretrained_plain(model, tokenizer, folder)
-
-
-def write_adapter(folder: Path, layers: dict[str, LayerResult], method: str, rank: int,
-                  dtype: torch.dtype, base: Path) -> Path:
-    """A PEFT LoRA adapter holding ``B`` (lora_B) and ``A`` (lora_A) with scale
-    ``lora_alpha / r = 1``, for the linears of ``layers``."""
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, layer in layers.items():
-        b, a = layer.residuals[method].factors(rank, dtype)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ExportError(f"{name}: the rank-{rank} factors overflow {dtype}; pass "
-                              "--adapter-dtype float32")
-        tensors[f"base_model.model.{name}.lora_A.weight"] = a
-        tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "target_modules": sorted(layers), "inference_mode": True,
-        "base_model_name_or_path": str(base.resolve()),
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"),
-              metadata={"format": "pt", "method": method})
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
-
-
-def write_export(out: Path, model, tokenizer, linears, layers, spec: QuantSpec, rank: int,
-                 adapter_dtype: torch.dtype) -> dict[str, int]:
-    """All three folders; returns the bytes of every written file."""
-    write_packed(out / "quantized", model, tokenizer, layers, spec)
-    write_dequantized(out / "dequantized", model, tokenizer, linears, layers)
-    if rank > 0:
-        write_adapter(out / "adapter", layers, "eora", rank, adapter_dtype, out / "dequantized")
-    return {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,10 +371,13 @@ def export_seconds(timings: Timings, bits: int) -> float:
 
 
 def calibrate(cfg: ExportConfig, model, train_tokens, timings: Timings):
-    linears = block_linears(model)
-    windows = calibration_windows(train_tokens, cfg.calib_samples, cfg.calib_seq_len, cfg.seed)
-    t = time.perf_counter()
-    groups = shared_input_groups(model, linears, windows[:1, : min(16, cfg.calib_seq_len)])
+    try:  # an unsupported model (TypeError) or too little text (ValueError): one line, exit 2
+        linears = block_linears(model)
+        windows = calibration_windows(train_tokens, cfg.calib_samples, cfg.calib_seq_len, cfg.seed)
+        t = time.perf_counter()
+        groups = shared_input_groups(model, linears, windows[:1, : min(16, cfg.calib_seq_len)])
+    except (TypeError, ValueError) as exc:
+        raise ExportError(str(exc)) from exc
     grams = collect_grams(model, linears, groups, windows, cfg.batch_size, cfg.progress)
     timings.add("calibration", t)
     return linears, groups, grams, windows
@@ -665,8 +402,11 @@ def run(cfg: ExportConfig, model=None, tokenizer=None) -> dict:
     files = {}
     if cfg.output_dir:
         t = time.perf_counter()
-        files = write_export(Path(cfg.output_dir), model, tokenizer, linears, results[cfg.bits[0]],
-                             specs[0], cfg.ranks[0], adapter_dtype)
+        try:
+            files = write_export(Path(cfg.output_dir), model, tokenizer, linears,
+                                 results[cfg.bits[0]], specs[0], cfg.ranks[0], adapter_dtype)
+        except OverflowError as exc:  # adapter factors too large for --adapter-dtype
+            raise ExportError(f"{exc}; pass --adapter-dtype float32") from exc
         timings.add("write", t)
     rows = plan_rows(cfg, model, linears, results, methods, adapter_dtype)
     eval_info = None

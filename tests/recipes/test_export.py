@@ -1,6 +1,7 @@
 """Low-bit export: the group-wise quantizer against a float64 reference, the packed format, and
-recipes/export.py end to end on a tiny random Llama (export, reload through transformers +
-peft, logits match; EoRA lowers the calibration-weighted output error)."""
+recipes/export.py end to end on a tiny random Llama (export with lm.quantized_files, reload
+through transformers + peft and load_quantized, logits match; EoRA lowers the
+calibration-weighted output error)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,16 @@ def test_quantizer_input_checks():
 
 pytest.importorskip("transformers")
 
-from acco_loco.eora import weighted_error  # noqa: E402
+from acco_loco.eora import svd_residual, weighted_error  # noqa: E402
 from lm.data import ByteTokenizer, load_text_documents, split_heldout, tokenize_documents  # noqa: E402
+from lm.quantized_files import (  # noqa: E402
+    FORMAT,
+    PACKED_FILE,
+    installed,
+    load_quantized,
+    merged_weights,
+    write_export,
+)
 from recipes import export as E  # noqa: E402
 from tests.texts import text_folder  # noqa: E402
 
@@ -125,11 +134,11 @@ def _tiny_export(tmp_path, bits: int, rank: int):
     train, _ = split_heldout(load_text_documents(str(data)))
     linears, groups, grams, windows = E.calibrate(cfg, model, tokenize_documents(train, tok), E.Timings())
     gram_copy = {key: acc.gram.clone() for key, acc in grams.items()}
-    spec = E.QuantSpec(bits, cfg.group_size)
+    spec = QuantSpec(bits, cfg.group_size)
     results, _ = E.compensate_model(linears, groups, grams, [spec], ("eora",), [rank],
                                     cfg.eig_floor, E.Timings(), False)
     out = tmp_path / "out"
-    E.write_export(out, model, tok, linears, results[bits], spec, rank, torch.float16)
+    write_export(out, model, tok, linears, results[bits], spec, rank, torch.float16)
     return model, linears, groups, gram_copy, results[bits], windows, out
 
 
@@ -147,9 +156,9 @@ def test_export_reloads_through_transformers_and_peft(tmp_path):
     assert len(linears) == 14 and len(groups) == 8  # q/k/v and gate/up share their input
     assert sorted(map(len, groups)) == [1, 1, 1, 1, 2, 2, 3, 3]
     ids = windows[:2]
-    with E.installed(linears, E.merged_weights(layers, "eora", 8, torch.float16)):
+    with installed(linears, merged_weights(layers, "eora", 8, torch.float16)):
         in_memory = _logits(model, ids)
-    with E.installed(linears, E.merged_weights(layers, None, 0, torch.float16)):
+    with installed(linears, merged_weights(layers, None, 0, torch.float16)):
         rtn = _logits(model, ids)
 
     base = AutoModelForCausalLM.from_pretrained(out / "dequantized")
@@ -161,11 +170,11 @@ def test_export_reloads_through_transformers_and_peft(tmp_path):
     assert float((in_memory - rtn).abs().max()) > 1e-3  # the adapter is not a no-op
 
     # the packed folder alone rebuilds the same de-quantized model
-    torch.testing.assert_close(_logits(E.load_quantized(out / "quantized"), ids), rtn, rtol=0, atol=1e-5)
-    with safe_open(str(out / "quantized" / E.PACKED_FILE), framework="pt") as f:
+    torch.testing.assert_close(_logits(load_quantized(out / "quantized"), ids), rtn, rtol=0, atol=1e-5)
+    with safe_open(str(out / "quantized" / PACKED_FILE), framework="pt") as f:
         meta = f.metadata()
         q = f.get_tensor("model.layers.0.mlp.down_proj.qweight")  # (64, 160 -> 192 padded)
-    assert meta["format"] == E.FORMAT and meta["bits"] == "3" and meta["group_size"] == "64"
+    assert meta["format"] == FORMAT and meta["bits"] == "3" and meta["group_size"] == "64"
     assert q.dtype == torch.uint8 and q.shape == (64, 192 * 3 // 8)
 
 
@@ -178,7 +187,7 @@ def test_eora_lowers_the_calibration_weighted_output_error(tmp_path):
         rtn = weighted_error(w - layer.dequantized.double(), gram)
         b, a = layer.residuals["eora"].factors(8, torch.float64)
         eora = weighted_error(w - layer.dequantized.double() - b @ a, gram)
-        svd = weighted_error(w - layer.dequantized.double() - E.svd_residual(
+        svd = weighted_error(w - layer.dequantized.double() - svd_residual(
             w - layer.dequantized.double(), 8).product(8), gram)
         assert eora < 0.9 * rtn and eora <= svd * (1 + 1e-9), name
     # ... and the whole model's outputs on the calibration text move closer to fp32
@@ -186,8 +195,8 @@ def test_eora_lowers_the_calibration_weighted_output_error(tmp_path):
     ref = _logits(model, ids)
     errors = {}
     for method, rank in (("rtn", 0), ("eora", 8)):
-        weights = E.merged_weights(layers, None if method == "rtn" else method, rank, torch.float16)
-        with E.installed(linears, weights):
+        weights = merged_weights(layers, None if method == "rtn" else method, rank, torch.float16)
+        with installed(linears, weights):
             errors[method] = float((_logits(model, ids) - ref).pow(2).mean())
     assert errors["eora"] < 0.8 * errors["rtn"], errors
 
@@ -232,5 +241,30 @@ def test_cli_rtn_only_export_has_no_adapter(tmp_path):
     assert E.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert [r["method"] for r in report["rows"]] == ["fp32", "rtn"] and report["eval"] is None
-    assert (out / "quantized" / E.PACKED_FILE).is_file() and (out / "dequantized" / "config.json").is_file()
+    assert (out / "quantized" / PACKED_FILE).is_file() and (out / "dequantized" / "config.json").is_file()
     assert not (out / "adapter").exists()
+
+
+def test_library_errors_become_one_line_recipe_errors(tmp_path):
+    """lm.calibration and lm.quantized_files raise builtin exceptions; the recipe turns the user
+    errors among them into ExportError (one line, exit status 2)."""
+    from types import SimpleNamespace
+
+    from lm.calibration import block_linears, calibration_windows
+    from lm.models import tiny_gpt2
+    from lm.quantized_files import write_adapter
+
+    gpt2 = tiny_gpt2(n_layer=1, n_embd=32, n_head=2, n_positions=64)
+    with pytest.raises(TypeError, match="Conv1D"):
+        block_linears(gpt2)
+    with pytest.raises(ValueError, match="fewer than one calibration window"):
+        calibration_windows(torch.arange(10), 4, 16, seed=0)
+    cfg = E.ExportConfig(model=E.TINY_MODEL, calib_samples=4, calib_seq_len=16, progress=False)
+    with pytest.raises(E.ExportError, match="Conv1D"):
+        E.calibrate(cfg, gpt2, torch.arange(100), E.Timings())
+    with pytest.raises(E.ExportError, match="calibration window"):
+        E.calibrate(cfg, E.tiny_llama(0), torch.arange(10), E.Timings())
+
+    huge = SimpleNamespace(residuals={"eora": svd_residual(torch.full((4, 8), 1e12), 2)})
+    with pytest.raises(OverflowError, match="overflow torch.float16"):
+        write_adapter(tmp_path / "adapter", {"x": huge}, "eora", 2, torch.float16, tmp_path)
