@@ -303,6 +303,22 @@ def tiny_gpt2(
 # --------------------------------------------------------------------------------------------
 
 
+def tiny_llama(seed: int = 0, vocab_size: int = 257):
+    """A random 2-block ``LlamaForCausalLM`` (64 wide, MLP 160: not a multiple of the default
+    group size, so row padding is exercised), tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True, use_cache=False,
+                         bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
+                         pad_token_id=vocab_size - 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
 def transformer_blocks(model) -> torch.nn.ModuleList:
     """The stack of transformer blocks: ``model.model.layers`` (Llama-style) or
     ``model.transformer.h`` (GPT-2)."""

@@ -113,6 +113,7 @@ pytest.importorskip("transformers")
 
 from acco_loco.eora import svd_residual, weighted_error  # noqa: E402
 from lm.data import ByteTokenizer, load_text_documents, split_heldout, tokenize_documents  # noqa: E402
+from lm.models import tiny_llama  # noqa: E402
 from lm.quantized_files import (  # noqa: E402
     FORMAT,
     PACKED_FILE,
@@ -130,7 +131,7 @@ def _tiny_export(tmp_path, bits: int, rank: int):
     data = text_folder(tmp_path / "text")
     cfg = E.ExportConfig(model=E.TINY_MODEL, dataset=str(data), bits=[bits], ranks=[rank],
                          calib_samples=24, calib_seq_len=64, progress=False)
-    model, tok = E.tiny_llama(0), ByteTokenizer()
+    model, tok = tiny_llama(0), ByteTokenizer()
     train, _ = split_heldout(load_text_documents(str(data)))
     linears, groups, grams, windows = E.calibrate(cfg, model, tokenize_documents(train, tok), E.Timings())
     gram_copy = {key: acc.gram.clone() for key, acc in grams.items()}
@@ -263,7 +264,7 @@ def test_library_errors_become_one_line_recipe_errors(tmp_path):
     with pytest.raises(E.ExportError, match="Conv1D"):
         E.calibrate(cfg, gpt2, torch.arange(100), E.Timings())
     with pytest.raises(E.ExportError, match="calibration window"):
-        E.calibrate(cfg, E.tiny_llama(0), torch.arange(10), E.Timings())
+        E.calibrate(cfg, tiny_llama(0), torch.arange(10), E.Timings())
 
     huge = SimpleNamespace(residuals={"eora": svd_residual(torch.full((4, 8), 1e12), 2)})
     with pytest.raises(OverflowError, match="overflow torch.float16"):
