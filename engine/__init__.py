@@ -1,9 +1,10 @@
 """The runtime: process groups, flat buffers, the comm thread/stream, checkpoints."""
 
 from .config import EngineConfig
+from .dealing import GlobalBatches
 from .engine import Engine
 from .loss import default_loss
 from .rounds import NonFiniteGradientError
 from .watchdog import WorkerLostError
 
-__all__ = ["Engine", "EngineConfig", "NonFiniteGradientError", "WorkerLostError", "default_loss"]
+__all__ = ["Engine", "EngineConfig", "GlobalBatches", "NonFiniteGradientError", "WorkerLostError", "default_loss"]

@@ -33,6 +33,7 @@ from .comm import Comm, default_store, init_process_group
 from .collectives import codec_groups, make_collectives
 from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
+from .dealing import GlobalBatches, dealt_stream
 from .flat import FlatParams
 from .local_loop import LocalStepsLoop
 from .loss import LossFn, batch_size, default_loss
@@ -165,7 +166,10 @@ class Engine(LocalStepsLoop):
         """Train until ``cfg.max_steps`` committed steps or until some worker's data runs out.
 
         ``batches`` are this worker's micro-batches. After a resume, pass the stream from index
-        ``engine.consumed`` on. ``steps`` stops this call after that many more committed steps
+        ``engine.consumed`` on. Or, under a global batch (``global_micro_batches``), one
+        ``GlobalBatches`` stream that every rank passes alike: the engine deals each worker the
+        micro-batches of its share (engine/dealing.py), so the samples of a step do not depend on
+        the shares, and a resumed run passes the same stream again. ``steps`` stops this call after that many more committed steps
         (every rank must pass the same value); the learning-rate schedule keeps ``cfg.max_steps``
         as its horizon, so fitting in pieces follows the same trajectory as one call. Returns one
         dict per committed step of this call.
@@ -181,7 +185,7 @@ class Engine(LocalStepsLoop):
                 f"Engine.load(directory, model, loss_fn=..., max_steps={self.step + self.cfg.max_steps})")
         self._stop_at = self.cfg.max_steps if steps is None else min(self.cfg.max_steps, self.step + steps)
         first = len(self.history)
-        it = iter(batches)
+        it = self._dealt(batches) if isinstance(batches, GlobalBatches) else iter(batches)
         self._clock = time.perf_counter()
         bar = self._progress_bar()
         try:
@@ -202,6 +206,20 @@ class Engine(LocalStepsLoop):
             if bar is not None:
                 bar.close()
         return self.history[first:]
+
+    def _dealt(self, batches: GlobalBatches):
+        cfg = self.cfg
+        if cfg.global_micro_batches is None:
+            raise ValueError("GlobalBatches is dealt out by the global batch: set global_micro_batches "
+                             "(accumulation 'fixed'), or pass this worker's own micro-batches")
+        if self.plan.local_steps:
+            raise ValueError(f"strategy {cfg.strategy!r} takes local steps (each worker its own inner "
+                             f"steps): pass each worker its own micro-batches, not GlobalBatches")
+
+        def where():
+            r = self.state.round_index
+            return r, self.state.pending_count, self.accumulation.shares(r)
+        return dealt_stream(batches, where, self.rank, cfg.global_micro_batches, self.plan.rounds_per_step)
 
     def save(self, directory: str) -> str:
         """Write a checkpoint (all ranks call this); returns the directory."""
