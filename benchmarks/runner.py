@@ -72,6 +72,14 @@ def base_spec(args, seed: int, micro_batch: int) -> dict:
     }
 
 
+def data_order(args, mode: str) -> str:
+    """How a mode's workers read the data. Matched: "dealt", one global order of windows, step
+    t reading windows [tB, (t+1)B) in every mode whatever its micro-batch or shares; a local-step
+    mode's workers take their own inner steps, and the free protocol grows batches: "per-rank",
+    each worker its own stream."""
+    return "dealt" if args.protocol == "matched" and not MODES[mode].local_steps else "per-rank"
+
+
 def train_spec(args, mode: str, lr: float, seed: int) -> dict:
     """What every worker of one training run is told: the workload, the mode's batch under the
     protocol (micro-batch; DDP accumulation; engine global micro-batches, or the free protocol's
@@ -89,6 +97,7 @@ def train_spec(args, mode: str, lr: float, seed: int) -> dict:
         spec["lr_schedule"] = dataclasses.asdict(matched_schedule(lr, steps))
         spec["balance"] = args.balance
         spec["global_batch"] = args.global_batch
+        spec["data"] = data_order(args, mode)
     else:
         spec["max_micro_batches"] = args.max_micro_batches
         spec["max_round_overhead"] = args.max_round_overhead
@@ -225,6 +234,7 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "mode": mode, "lr": lr, "seed": seed, "steps": steps, "samples": samples, "train_s": train_s,
         **{k: spec.get(k) for k in ("protocol", "global_batch", "micro_batch", "accumulation",
                                     "global_micro_batches", "lr_schedule")},
+        "data": spec.get("data", "per-rank"),
         "samples_per_step_median": statistics.median(h["samples"] for h in hist) if hist else None,
         "samples_per_step_mean": samples / steps if steps else None,
         "startup_s": max(r["startup_s"] for r in res),

@@ -26,6 +26,7 @@ core, or two per core for ``--hetero``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -76,8 +77,9 @@ def build_data(spec: dict, rank: int, world: int):
 
     tok = ByteTokenizer()
     train_docs, held_docs = split_heldout(load_text_documents(None), spec["heldout"])
+    dealt = spec.get("data") == "dealt"  # one global stream (see global_index), else this rank's own
     stream = TokenBatches(tokenize_documents(train_docs, tok), spec["seq_len"], spec["micro_batch"],
-                          rank=rank, world_size=world, seed=spec["seed"])
+                          rank=0 if dealt else rank, world_size=1 if dealt else world, seed=spec["seed"])
     held = eval_batches(tokenize_documents(held_docs, tok), spec["seq_len"], spec["micro_batch"],
                         max_batches=spec["eval_batches"])
     return tok, stream, held
@@ -185,6 +187,17 @@ def spec_schedule(spec: dict) -> LrSchedule | None:
     return LrSchedule(**spec["lr_schedule"]) if spec.get("lr_schedule") else None
 
 
+def ddp_stream(stream, spec: dict, rank: int, world: int, acc: int):
+    """DDP's micro-batches on this rank. Dealt: step t's global micro-batches [t W acc, (t + 1) W acc)
+    in rank blocks of acc, so the step reads windows [tB, (t + 1)B) as an engine mode does."""
+    if spec.get("data") != "dealt":
+        yield from stream.iter_from(0)
+        return
+    for step in itertools.count():
+        for k in range(acc):
+            yield stream.batch((step * world + rank) * acc + k)
+
+
 def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: int, timeline: list) -> float:
     """One DDP step's forward+backward passes (no_sync for all but the last); their summed loss."""
     loss_sum = 0.0
@@ -228,7 +241,7 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     hook_bytes[0] = 0
     snaps = Snapshots(spec["eval_points"], t0)
     history, timeline = [], []
-    it = stream.iter_from(0)
+    it = ddp_stream(stream, spec, rank, world, acc)
     samples = 0
     t_step = t0
     for step in range(1, steps + 1):
@@ -312,9 +325,20 @@ class SampleBudget:
             self.catch_up()
         return self.samples >= self.budget
 
-    def batches(self, stream):
+    def batches(self, stream, dealt: bool = False):
         # every rank sees the same history (the counts are all-reduced) at the same round
         # boundary, so all ranks stop in the same round
+        if dealt:
+            from engine import GlobalBatches
+
+            def fetch(index: int):
+                if self.spent():
+                    raise IndexError(index)  # the end of the data, for the engine
+                return stream.batch(index)
+            return GlobalBatches(fetch)
+        return self._own(stream)
+
+    def _own(self, stream):
         for batch in stream.iter_from(0):
             if self.spent():
                 return
@@ -379,7 +403,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     budget = (LocalSampleBudget(engine, model, snaps, spec["samples"], world) if local
               else SampleBudget(engine, model, snaps, spec["samples"]))
     try:
-        engine.fit(budget.batches(stream))
+        engine.fit(budget.batches(stream, dealt=spec.get("data") == "dealt"))
         t_end = time.perf_counter()
         tx1, cpu1 = tx_bytes(), thread_cpu_seconds()
         accounted = engine.comm.bytes_sent - bytes0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,3 +321,50 @@ def test_equal_shares_zero1_keeps_equal_shares_under_speed_balance():
                        "--modes", "zero1,zero1+equal-shares,acco"])
     balance = {m: engine_config(train_spec(args, m, 1e-3, 0)).balance for m in args.modes}
     assert balance == {"zero1": "speed", "zero1+equal-shares": "equal", "acco": "speed"}
+
+
+# ------------------------------------------------------------------ one global order of the data
+def test_matched_modes_read_step_t_from_the_same_windows_whatever_the_micro_batch_or_shares():
+    """Dealt data: DDP (micro-batch 8, accumulation 2 on 2 ranks) and ACCO (micro-batch 4, 4 +
+    4 micro-batches per step in 2 rounds, uneven speed shares) read the same windows per step."""
+    from engine.dealing import dealt_index
+    from lm.data import TokenBatches
+    from benchmarks.worker import ddp_stream
+
+    tokens = torch.arange(20_000) % 251
+    big, small = (TokenBatches(tokens, 32, mb, rank=0, world_size=1, seed=3) for mb in (8, 4))
+    world, acc, steps = 2, 2, 5
+    ddp = [ddp_stream(big, {"data": "dealt"}, r, world, acc) for r in range(world)]
+    shares = [[3, 1], [1, 3]]  # per round of a step: ranks 0 and 1
+    for t in range(steps):
+        ddp_windows = {int(s) for r in range(world) for _ in range(acc)
+                       for s in big.window_starts(_index_of(big, next(ddp[r])))}
+        acco_windows = {int(s) for k in range(2) for r in range(world) for p in range(shares[k][r])
+                        for s in small.window_starts(dealt_index(2 * t + k, p, r, shares[k], 8, 2))}
+        assert len(ddp_windows) == 32 and ddp_windows == acco_windows
+
+
+def _index_of(stream, batch) -> int:
+    """Which micro-batch of ``stream`` ``batch`` is (the first 64 are enough here)."""
+    for i in range(64):
+        if torch.equal(stream.batch(i)["input_ids"], batch["input_ids"]):
+            return i
+    raise AssertionError("not a micro-batch of this stream")
+
+
+def test_each_mode_reads_the_data_in_the_order_its_protocol_deals(tmp_path, capsys):
+    from benchmarks.runner import data_order
+
+    matched = parse_args(["--modes", "torch-ddp,acco+loco4+int4params,sparseloco-h15"])
+    assert [data_order(matched, m) for m in ("torch-ddp", "acco+loco4+int4params", "sparseloco-h15")] == \
+        ["dealt", "dealt", "per-rank"]
+    assert train_spec(matched, "acco+loco4+int4params", 1e-3, 0)["data"] == "dealt"
+    assert train_spec(matched, "sparseloco-h15", 1e-3, 0)["data"] == "per-rank"
+    free = parse_args(["--protocol", "free", "--modes", "torch-ddp-acc1,acco+loco4"])
+    assert data_order(free, "acco+loco4") == "per-rank"
+    # a table measured before the dealt order (its runs carry no "data") is not merged into a new one
+    before = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_100mbit_b16_3seeds.json"
+    assert main(["--modes", "torch-ddp", "--global-batch", "16", "--merge", str(before),
+                 "--json", str(tmp_path / "new.json")]) == 2
+    err = capsys.readouterr().err
+    assert "acco+loco4+int4params, torch-ddp, torch-ddp+powersgd4 read the data in another order" in err
