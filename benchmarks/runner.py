@@ -80,6 +80,12 @@ def data_order(args, mode: str) -> str:
     return "dealt" if args.protocol == "matched" and not MODES[mode].local_steps else "per-rank"
 
 
+def speed_shared(mode: str) -> bool:
+    """Whether ``--balance speed`` moves this mode's micro-batches between workers."""
+    m = MODES[mode]
+    return m.ddp is None and not m.local_steps and m.extra.get("balance", "speed") == "speed"
+
+
 def train_spec(args, mode: str, lr: float, seed: int) -> dict:
     """What every worker of one training run is told: the workload, the mode's batch under the
     protocol (micro-batch; DDP accumulation; engine global micro-batches, or the free protocol's

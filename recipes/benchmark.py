@@ -333,11 +333,14 @@ def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
             print(f"error: --merge {path}: its runs trained under (protocol, global batch) {sorted(other, key=str)}, "
                   f"this run under {want}: a table holds one", file=sys.stderr)
             return None
-        stale = sorted({r["mode"] for r in runs_in if r.get("data", "per-rank") != runner.data_order(args, r["mode"])})
+        # with every worker reading the same count per step, each worker's own stream and the dealt
+        # order give a step the same windows; speed shares do not
+        stale = sorted({r["mode"] for r in runs_in if args.balance == "speed" and runner.speed_shared(r["mode"])
+                        and r.get("data", "per-rank") != runner.data_order(args, r["mode"])})
         if stale:
-            print(f"error: --merge {path}: {', '.join(stale)} read the data in another order than this "
-                  f"run would (each worker its own stream, before the matched protocol dealt one global "
-                  f"stream): rerun them instead of merging", file=sys.stderr)
+            print(f"error: --merge {path}: {', '.join(stale)} read each worker's own stream, which under "
+                  f"speed shares gives a step other windows than the dealt order this run uses: rerun "
+                  f"them instead of merging", file=sys.stderr)
             return None
         runs += runs_in
         compute_rates += rates_in
