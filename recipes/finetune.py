@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from engine import Engine, EngineConfig  # noqa: E402
+from engine import Engine, EngineConfig, GlobalBatches  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
 from engine.config import Setting, describe_settings  # noqa: E402
 from lm.data import (  # noqa: E402
@@ -478,9 +478,20 @@ class RunLog:
                 "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
 
 
+def engine_data(engine: Engine, stream: TokenBatches):
+    """Under a global batch, one stream of the whole data dealt out by the engine (whatever the
+    shares, step t trains on the same micro-batches: engine/dealing.py); otherwise this worker's
+    own stream, from where a resumed run stopped."""
+    if engine.cfg.global_micro_batches is not None and not engine.plan.local_steps:
+        whole = TokenBatches(stream.tokens, stream.seq_len, stream.micro_batch_size, seed=stream.seed,
+                             label_mode=stream.label_mode)
+        return GlobalBatches(whole.batch)
+    return stream.iter_from(engine.consumed)
+
+
 def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: RunLog, say) -> None:
     """Fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon."""
-    data = stream.iter_from(engine.consumed)
+    data = engine_data(engine, stream)
     model.train()
     while engine.step < cfg.max_steps:
         steps = cfg.max_steps - engine.step
