@@ -208,6 +208,7 @@ class Engine(LocalStepsLoop):
         return self.history[first:]
 
     def _dealt(self, batches: GlobalBatches):
+        """This worker's micro-batches of the shared stream: its share of each round, by index."""
         cfg = self.cfg
         if cfg.global_micro_batches is None:
             raise ValueError("GlobalBatches is dealt out by the global batch: set global_micro_batches "
