@@ -1,0 +1,124 @@
+"""Plan a run before renting the cluster: ``python -m engine.plan``.
+
+Predicts, for every strategy and codec the engine has (and torch DDP), the step time, the bytes
+through each node's link, the training state per GPU and the measured loss per sample against
+AdamW, then recommends one and says why (docs/DESIGN.md section 10, README "Planning a run").
+
+    python -m engine.plan --model 8b --nodes 8 --gpus-per-node 8 --inter-gbit 10 \\
+        --global-batch 1024 --micro-batch 4
+    python -m engine.plan --model path/to/hf_folder --trainable-fraction 0.1 --nodes 2 ...
+    python -m engine.plan --params 4837888 --layers 6 --hidden 256 --vocab 257 --seq-len 128 \\
+        --cpu-testbed --nodes 2 --inter-gbit 0.1 --samples-per-s 17 --global-batch 16 --micro-batch 4
+    torchrun --nnodes 2 --nproc-per-node 8 -m engine.plan --measure --model 1b ...   # probe this cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from .planner.hardware import H100_BF16_FLOPS, cpu_testbed, gpu
+from .planner.plan import format_plan, make_plan
+from .planner.shape import PRESETS, from_shape, from_transformers
+from .planner.timeline import Batch
+from .planner.wire import Layout, WireSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m engine.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = ap.add_argument_group("model")
+    m.add_argument("--model", help="a transformers config folder / hub id, or a preset: " + ", ".join(PRESETS))
+    m.add_argument("--params", type=int, help="parameter count (with --layers, --hidden, --vocab) instead of --model")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--vocab", type=int, default=32000)
+    m.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's or the config's, max 4096)")
+    m.add_argument("--trainable-fraction", type=float, default=1.0, help="fraction of the parameters trained")
+    c = ap.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=2, help="M nodes")
+    c.add_argument("--gpus-per-node", type=int, default=1, help="G ranks per node")
+    c.add_argument("--inter-gbit", type=float, default=10.0, help="one node's network link, Gbit/s")
+    c.add_argument("--intra-gbyte", type=float, default=450.0, help="per-GPU bandwidth inside a node, GB/s (NVLink 4: 450)")
+    c.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s per GPU (H100 bf16: 989)")
+    c.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the compute")
+    c.add_argument("--samples-per-s", type=float, default=0.0, help="measured samples/s per worker (overrides FLOPs x MFU)")
+    c.add_argument("--cpu-testbed", action="store_true",
+                   help="price the comm side as the CPU testbed does (one core per worker, gloo; docs/DESIGN.md 10.3)")
+    c.add_argument("--measure", action="store_true",
+                   help="probe the cluster this runs on (under torchrun): link rates and compute instead of the flags")
+    b = ap.add_argument_group("batch")
+    b.add_argument("--global-batch", type=int, default=1024, help="samples per optimizer step, all workers")
+    b.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per worker")
+    b.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange out")
+    ap.add_argument("--json", help="write the plan here as JSON")
+    return ap
+
+
+def shape_from(a):
+    if a.model and a.model.lower() in PRESETS:
+        base = PRESETS[a.model.lower()]
+        return from_shape(base.layers, base.hidden, base.vocab, base.params, a.seq_len or base.seq_len,
+                          a.trainable_fraction)
+    if a.model:
+        return from_transformers(a.model, a.seq_len, a.trainable_fraction)
+    if not (a.params or (a.layers and a.hidden)):
+        raise SystemExit("give --model (a transformers config folder or a preset), or --layers and --hidden "
+                         "(with --params for an exact count)")
+    if not (a.layers and a.hidden):
+        raise SystemExit("--params needs the shape too: --layers and --hidden (and --vocab)")
+    return from_shape(a.layers, a.hidden, a.vocab, a.params, a.seq_len or 2048, a.trainable_fraction)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    shape = shape_from(a)
+    layout = Layout(a.nodes, a.gpus_per_node)
+    ws = WireSettings(compute_bytes=2 if a.compute_dtype == "bfloat16" else 4)
+    batch = Batch(a.global_batch, a.micro_batch)
+    measured = None
+    if a.measure:
+        from .planner.probe import probe_cluster
+
+        measured = probe_cluster(shape, a.micro_batch)
+        layout = Layout(measured.nodes, measured.per_node)
+        a.inter_gbit, a.intra_gbyte = measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9
+        a.samples_per_s = measured.samples_per_s
+    if a.cpu_testbed:
+        if a.samples_per_s <= 0:
+            raise SystemExit("--cpu-testbed needs --samples-per-s (the compute-only pace per worker) or --measure")
+        hw = cpu_testbed(a.inter_gbit * 1e9, a.samples_per_s)
+    else:
+        hw = gpu(a.inter_gbit, a.intra_gbyte, a.tflops * 1e12, a.mfu, a.samples_per_s)
+    plan = make_plan(shape, layout, hw, batch, ws, modes=None if not a.flat_only else
+                     [m for m in __import__("engine.planner.modes", fromlist=["candidates"]).candidates(False)])
+    if measured is not None and measured.rank != 0:
+        return 0
+    print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "
+          f"layers x {shape.hidden}, {shape.seq_len} tokens/sample; {layout.nodes} nodes x {layout.per_node} "
+          f"ranks; node link {a.inter_gbit:g} Gbit/s, inside the node {a.intra_gbyte:g} GB/s; "
+          + (f"compute {a.samples_per_s:.3g} samples/s per worker (measured)" if a.samples_per_s else
+             f"compute {a.tflops:g} TFLOP/s x MFU {a.mfu:g}")
+          + f"; batch {a.global_batch} samples/step, micro-batch {a.micro_batch}, {a.compute_dtype}")
+    if measured is not None:
+        print("measured: " + measured.describe())
+    print(format_plan(plan))
+    if a.json:
+        out = {"args": vars(a), "rows": [{"mode": r.mode.name, "settings": asdict(r.mode),
+                                          "step_s": r.time.step_s, "speedup_vs_ddp": r.speedup_vs_ddp,
+                                          "compute_s": r.time.compute_s, "inter_s": r.time.inter_s,
+                                          "intra_s": r.time.intra_s, "node_link_bytes": r.time.bytes.node_link,
+                                          "rank_bytes": r.time.bytes.rank, "memory_bytes": r.memory.total,
+                                          "loss_vs_adamw_pct": r.quality.loss_vs_adamw_pct,
+                                          "loss_sources": list(r.quality.sources)} for r in plan.rows],
+               "recommended": plan.choice.mode.name, "why": plan.why}
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

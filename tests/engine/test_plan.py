@@ -1,0 +1,165 @@
+"""The planner (engine/planner, `python -m engine.plan`): its byte counts against the engine's own
+counters and the benchmark JSONs, its step times against the testbed's measurements, memory,
+the recommendation and the command line."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.local_group import spawn
+from engine.planner import validate
+from engine.planner.hardware import TESTBED_CONSTANTS, cpu_testbed, gpu
+from engine.planner.memory import memory_per_gpu
+from engine.planner.modes import Mode
+from engine.planner.plan import make_plan
+from engine.planner.shape import PRESETS, from_shape, from_transformers
+from engine.planner.timeline import Batch, step_time
+from engine.planner.wire import Layout, WireSettings, step_bytes
+from tests.tiny import mse_loss, worker_stream
+
+
+def test_testbed_bytes_match_the_benchmark_counters_exactly():
+    rows = validate.rows()
+    assert len(rows) >= 12
+    for r in rows:
+        assert r.predicted_bytes == pytest.approx(r.measured_bytes, rel=0, abs=1e-6), (r.file, r.mode)
+
+
+def test_testbed_step_times_within_the_stated_bounds():
+    rows = validate.rows()
+    s = validate.summary(rows)
+    assert s["rows"] >= 12 and s["clean_rows"] >= 12
+    assert s["median_abs_error"] <= 0.10, validate.table(rows)
+    # files whose compute-only pace moved by > 1.4x during them ran beside other load
+    assert s["clean_max_abs_error"] <= 0.25, validate.table(rows)
+    assert s["max_abs_error"] <= 0.40, validate.table(rows)  # the loaded file, documented in DESIGN 10.4
+    # the layouts and links the issue asks for are all there
+    assert {r.layout for r in rows} >= {"2x1", "3x1 hetero"}
+    assert {r.rate for r in rows} >= {"20mbit", "100mbit", "1gbit"}
+
+
+def test_stated_testbed_constants_are_the_jsons():
+    got = validate.measure_constants()
+    for key, value in got.items():
+        name, _, sub = key.partition(".")
+        stated = TESTBED_CONSTANTS[name]
+        if sub:
+            stated = stated[float(validate.parse_rate(sub)) if name == "link_efficiency" else sub]
+        assert stated == pytest.approx(value, rel=0.05), key
+
+
+def _engine_bytes(rank, world, settings):
+    out = {}
+    for name, kw in settings.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 700), torch.nn.Tanh(), torch.nn.Linear(700, 3))
+        cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=4, **kw)
+        engine = Engine(model, cfg, mse_loss)
+        hist = engine.fit(iter(worker_stream(rank, 50)))
+        engine.close()
+        out[name] = [h["wire_bytes"] for h in hist]
+    return out
+
+
+MODES_TO_COUNT = {"zero1": Mode("zero1"), "acco+loco4+int4params": Mode("acco", "loco4", "int4"),
+                  "acco+loco4+int8params": Mode("acco", "loco4", "int8"), "dpu": Mode("dpu")}
+
+
+def test_planner_bytes_equal_the_engine_counters_world2():
+    settings = {k: m.engine_settings() for k, m in MODES_TO_COUNT.items()}
+    got = spawn(_engine_bytes, 2, settings)[0]
+    numel = 6 * 700 + 700 + 700 * 3 + 3
+    for name, mode in MODES_TO_COUNT.items():
+        want = step_bytes(numel, Layout(2, 1), mode, WireSettings()).rank
+        assert got[name][-1] == want, (name, got[name], want)
+
+
+def test_two_level_divides_the_node_link_bytes_by_g():
+    numel, ws = 10_000_000, WireSettings(compute_bytes=2)
+    for m in (2, 8, 64):
+        layout = Layout(m, 8)
+        for mode in (Mode("zero1"), Mode("acco", "loco4", "int4")):
+            flat = step_bytes(numel, layout, mode, ws).node_link
+            two = step_bytes(numel, layout, Mode(mode.strategy, mode.codec, mode.param_codec, "two-level"), ws).node_link
+            assert flat / two == pytest.approx(8, rel=0.02), (m, mode)
+        # the ring crosses each node boundary once: 2 (N-1)/N P e, whatever G is
+        ddp = step_bytes(numel, layout, Mode("torch-ddp", ddp_dtype="bfloat16"), ws).node_link
+        assert ddp == pytest.approx(2 * (m * 8 - 1) / (m * 8) * numel * 2, rel=1e-6)
+    # issue 22's figure: acco + loco4 + int4 params two-level at M = 2 sends ~0.27 S per step (S = fp32 grad bytes)
+    two = step_bytes(numel, Layout(2, 8), Mode("acco", "loco4", "int4", "two-level"), WireSettings()).node_link
+    assert two / (4 * numel) == pytest.approx(0.266, abs=0.01)
+
+
+def test_overlap_hides_the_link_only_for_overlapping_strategies():
+    shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
+    hw = cpu_testbed(100e6, 17.0)
+    batch = Batch(16, 8)
+    zero1 = step_time(Mode("zero1"), shape, Layout(2), hw, batch)
+    dpu = step_time(Mode("dpu"), shape, Layout(2), hw, batch)
+    acco = step_time(Mode("acco"), shape, Layout(2), hw, batch)
+    # zero1 pays compute + round; dpu hides the round behind one step's compute; acco sends twice
+    assert zero1.step_s == pytest.approx(zero1.compute_s + zero1.inter_s + zero1.comm_work_s - 0.0, rel=0.15)
+    assert dpu.step_s < zero1.step_s
+    assert acco.bytes.rank == 2 * zero1.bytes.rank
+
+
+def test_memory_follows_the_layouts_of_design_3_1():
+    shape = PRESETS["8b"]
+    ws = WireSettings(compute_bytes=2)
+    layout = Layout(8, 8)
+    zero1 = memory_per_gpu(Mode("zero1"), shape, layout, ws)
+    acco = memory_per_gpu(Mode("acco", "loco4", "int4"), shape, layout, ws)
+    acco2 = memory_per_gpu(Mode("acco", "loco4", "int4", "two-level"), shape, layout, ws)
+    ddp = memory_per_gpu(Mode("torch-ddp"), shape, layout, ws)
+    assert zero1.total == pytest.approx(shape.params * (8 + 24 / 64))
+    assert acco.codec_state == pytest.approx(2 * shape.params * (1 + 4 / 128))
+    assert acco2.codec_state == pytest.approx(acco.codec_state / 8)  # error feedback on the rank's slice
+    assert ddp.total == 16 * shape.params
+    assert memory_per_gpu(Mode("diloco"), shape, layout, WireSettings()).total == 40 * shape.params
+
+
+def test_shape_from_a_transformers_config_counts_exactly():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=257, n_positions=129, n_embd=256, n_layer=6, n_head=8)
+    shape = from_transformers(cfg, seq_len=128)
+    assert shape.params == validate.testbed_shape({"n_layer": 6, "n_embd": 256, "seq_len": 128}).params == 4_837_888
+
+
+def test_recommendation_keeps_adamw_and_follows_the_link():
+    shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
+    batch = Batch(16, 4)
+    slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings())
+    assert slow.choice.mode.strategy in ("zero1", "dpu", "acco", "torch-ddp")
+    assert not slow.choice.mode.local_steps
+    assert slow.choice.mode.codec != "none"  # at 20 Mbit/s the wire decides
+    # on an H100 pair with 400 Gbit/s between them, nothing is worth a lossy codec
+    fast = make_plan(PRESETS["1b"], Layout(2, 1), gpu(400), Batch(64, 4), WireSettings(compute_bytes=2))
+    assert fast.choice.mode.codec == "none" and fast.choice.mode.param_codec == "auto", fast.why
+    assert fast.choice.time.step_s <= min(r.time.step_s for r in fast.rows if r.adamw_class) * 1.03
+
+
+def test_cli_prints_a_plan_and_a_reason(capsys, tmp_path):
+    from engine.plan import main
+
+    out_json = tmp_path / "plan.json"
+    assert main(["--model", "1b", "--nodes", "2", "--gpus-per-node", "8", "--inter-gbit", "10",
+                 "--global-batch", "256", "--micro-batch", "2", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "Recommended:" in text and "[2-level]" in text
+    import json
+
+    doc = json.loads(out_json.read_text())
+    assert doc["recommended"] and len(doc["rows"]) >= 20
+    assert statistics.median(r["step_s"] for r in doc["rows"]) > 0
+
+
+def test_cli_refuses_a_count_without_a_shape():
+    from engine.plan import main
+
+    with pytest.raises(SystemExit, match="--layers"):
+        main(["--params", "1000000"])
