@@ -73,6 +73,36 @@ def shape_from(a):
     return from_shape(a.layers, a.hidden, a.vocab, a.params, a.seq_len or 2048, a.trainable_fraction)
 
 
+def probe_model(a, shape):
+    """The model whose micro-batches --measure times: built from its transformers config with
+    random weights on this rank's device (bf16 on GPU), when it fits; else None (FLOPs x MFU)."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8 * 2**30
+    if shape.params * 18 > free:  # weights, gradients, activations: leave it to the stated FLOP rate
+        print(f"--measure: {shape.params / 1e9:.3g}B parameters do not fit here for a compute probe; "
+              "compute from --tflops x --mfu")
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if a.model and a.model.lower() not in PRESETS:
+        cfg = AutoConfig.from_pretrained(a.model)
+    else:  # a preset or a stated shape: a Llama-style decoder of that shape
+        cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                          num_attention_heads=max(1, shape.hidden // 128), intermediate_size=4 * shape.hidden,
+                          max_position_embeddings=shape.seq_len)
+    dtype = torch.bfloat16 if (device.type == "cuda" and a.compute_dtype == "bfloat16") else torch.float32
+    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
+    if shape.trainable_fraction < 1:  # train the top fraction of the parameters, as a fine-tune would
+        params = list(model.parameters())
+        budget = shape.trainable
+        for p in reversed(params):
+            p.requires_grad_(budget > 0)
+            budget -= p.numel()
+    return model
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     shape = shape_from(a)
@@ -83,10 +113,12 @@ def main(argv=None) -> int:
     if a.measure:
         from .planner.probe import probe_cluster
 
-        measured = probe_cluster(shape, a.micro_batch)
+        model = None if a.samples_per_s else probe_model(a, shape)
+        measured = probe_cluster(shape, a.micro_batch, model)
         layout = Layout(measured.nodes, measured.per_node)
-        a.inter_gbit, a.intra_gbyte = measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9
-        a.samples_per_s = measured.samples_per_s
+        a.inter_gbit = measured.inter_Bps * 8 / 1e9 if measured.nodes > 1 else a.inter_gbit
+        a.intra_gbyte = measured.intra_Bps / 1e9 if measured.per_node > 1 else a.intra_gbyte
+        a.samples_per_s = a.samples_per_s or measured.samples_per_s
     if a.cpu_testbed:
         if a.samples_per_s <= 0:
             raise SystemExit("--cpu-testbed needs --samples-per-s (the compute-only pace per worker) or --measure")

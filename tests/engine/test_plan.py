@@ -163,3 +163,27 @@ def test_cli_refuses_a_count_without_a_shape():
 
     with pytest.raises(SystemExit, match="--layers"):
         main(["--params", "1000000"])
+
+
+def _probe_and_plan(rank, world):
+    from engine.planner.hardware import cpu_testbed
+    from engine.planner.probe import probe_cluster
+    from tests.tiny import tiny_model
+
+    shape = from_shape(2, 16, 3, params=6 * 16 + 16 + 16 * 3 + 3, seq_len=1)
+    measured = probe_cluster(shape, micro_batch=4, model=tiny_model(), payload=2**20, repeats=2)
+    plan = make_plan(shape, Layout(measured.nodes, measured.per_node),
+                     cpu_testbed(measured.inter_Bps * 8, measured.samples_per_s), Batch(16, 4), WireSettings())
+    return measured, plan.choice.mode.name, plan.choice.time.step_s
+
+
+def test_measure_probes_two_gloo_processes_and_feeds_the_plan():
+    results = spawn(_probe_and_plan, 2)
+    (m0, choice0, step0), (m1, choice1, step1) = results
+    assert m0.nodes == 2 and m0.per_node == 1
+    # loopback between two processes: far above a shaped link, far below a terabyte per second
+    assert 1e7 < m0.inter_Bps < 1e12, m0
+    assert 10 < m0.samples_per_s < 1e8, m0
+    # every rank takes the slowest rank's figures, so every rank plans the same
+    assert (m0.inter_Bps, m0.samples_per_s) == (m1.inter_Bps, m1.samples_per_s)
+    assert choice0 == choice1 and step0 == step1 > 0

@@ -1,0 +1,194 @@
+"""``--measure`` and ``strategy="auto"``: probe the cluster this process runs on instead of taking
+rates on trust (docs/DESIGN.md section 10.5).
+
+Over the current process group (gloo or NCCL; initialised from the launcher's env if needed):
+
+- **between nodes**: a timed ``all_to_all_single`` over each rail (the ranks with the same local
+  rank, one per node) with ``payload`` bytes per rank, all rails at once: a node's link carries
+  G (M-1)/M payload, so its rate is that over the time (median of ``repeats``, slowest rank);
+- **inside the node** (G > 1): a timed ``all_gather_into_tensor`` over the node's group, (G-1)/G
+  payload per rank over the time;
+- **compute**: a few forward + backward passes of the model (or a caller's closure), after one
+  untimed warm-up, medians, as samples/s per worker.
+
+The layout comes from the launcher (LOCAL_WORLD_SIZE, as torchrun sets it); with one rank per
+node (G = 1, the CPU testbed) the default group is the one rail. Every rank gets the same
+figures (the slowest rank's times, all-reduced with MAX)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Measured:
+    nodes: int
+    per_node: int
+    inter_Bps: float  # one node link, bytes/s
+    intra_Bps: float  # per rank inside a node, bytes/s (0 when G = 1)
+    samples_per_s: float  # per worker (0 when not measured)
+    rank: int
+
+    def describe(self) -> str:
+        intra = f", inside the node {self.intra_Bps * 8 / 1e9:.3g} Gbit/s per rank" if self.per_node > 1 else ""
+        comp = f", compute {self.samples_per_s:.3g} samples/s per worker" if self.samples_per_s else ""
+        return (f"{self.nodes} nodes x {self.per_node} ranks; node link {self.inter_Bps * 8 / 1e6:.4g} Mbit/s"
+                + intra + comp)
+
+
+def _ensure_group() -> None:
+    if dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise RuntimeError("--measure probes a cluster: start it under torchrun (or `accelerate launch`) "
+                           "with at least 2 processes")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method="env://")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def layout_from_env(world: int) -> tuple[int, int]:
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}: "
+                         "every node must run the same number of ranks")
+    return world // per_node, per_node
+
+
+def _groups(nodes: int, per_node: int):
+    """(this rank's rail group, this rank's node group); every rank creates every group, in order."""
+    rank = dist.get_rank()
+    rail = node = None
+    if per_node == 1:
+        return None, None  # the default group is the one rail
+    for local in range(per_node):
+        g = dist.new_group([n * per_node + local for n in range(nodes)])
+        if rank % per_node == local:
+            rail = g
+    for n in range(nodes):
+        g = dist.new_group(list(range(n * per_node, (n + 1) * per_node)))
+        if rank // per_node == n:
+            node = g
+    return rail, node
+
+
+def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> float:
+    send = torch.zeros(payload // size * size, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(repeats + 1):  # the first one warms the connections up
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send, group=group)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return _slowest(statistics.median(times), device)
+
+
+def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> float:
+    piece = torch.zeros(payload // size, dtype=torch.uint8, device=device)
+    out = torch.empty(piece.numel() * size, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(out, piece, group=group)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return _slowest(statistics.median(times), device)
+
+
+def time_compute(step: Callable[[], None], samples: int, device, repeats: int = 3) -> float:
+    """samples/s of ``step`` (one forward + backward of ``samples`` samples), median of repeats."""
+    step()  # warm-up: allocations, lazy init
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return samples / _slowest(statistics.median(times), device)
+
+
+def model_step(model: torch.nn.Module, samples: int, seq_len: int | None = None) -> Callable[[], None]:
+    """One forward + backward of ``model`` on a synthetic micro-batch: ``samples`` sequences of
+    ``seq_len`` random token ids for a transformers-style model (it has ``config.vocab_size``),
+    else ``samples`` random rows for its first Linear layer; a sum of squares as the loss."""
+    device = next(model.parameters()).device
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "vocab_size"):
+        ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512)
+        t = min(seq_len or 512, ctx)
+        ids = torch.randint(0, cfg.vocab_size, (samples, t), device=device)
+
+        def run():
+            out = model(input_ids=ids)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            logits.float().pow(2).mean().backward()
+    else:
+        first = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+        if first is None:
+            raise ValueError("the compute probe needs a transformers-style model or one whose first layer "
+                             "is a torch.nn.Linear: give --samples-per-s instead")
+        dtype = first.weight.dtype
+        x = torch.randn(samples, first.in_features, device=device, dtype=dtype)
+
+        def run():
+            model(x).float().pow(2).mean().backward()
+
+    def step():
+        run()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def probe_cluster(shape=None, micro_batch: int = 1, model: torch.nn.Module | None = None,
+                  payload: int = 8 * 2**20, repeats: int = 3) -> Measured:
+    """Measure the node links, the intra-node links and (with ``model``, or a transformers model
+    built from ``shape`` when it is small enough to build here) the compute rate."""
+    _ensure_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = _device()
+    nodes, per_node = layout_from_env(world)
+    rail, node = _groups(nodes, per_node)
+    inter = intra = 0.0
+    if nodes > 1:
+        t = time_all_to_all(payload, rail, nodes, device, repeats)
+        inter = per_node * (nodes - 1) / nodes * (payload // nodes * nodes) / t
+    if per_node > 1:
+        t = time_all_gather(payload, node, per_node, device, repeats)
+        intra = (per_node - 1) / per_node * (payload // per_node * per_node) / t
+    rate = 0.0
+    if model is not None:
+        rate = time_compute(model_step(model, micro_batch, getattr(shape, "seq_len", None)), micro_batch,
+                            device, repeats)
+    return Measured(nodes, per_node, inter, intra, rate, rank)
