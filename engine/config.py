@@ -345,7 +345,7 @@ class _GradCodecChoice(Choice):
 
 # One line per field: adding a field to EngineConfig means adding its rule here.
 _RULES: dict[str, Rule] = {
-    "strategy": choice(tuple(STRATEGIES)),
+    "strategy": choice(tuple(STRATEGIES) + ("auto",)),  # auto: engine/auto.py resolves it at start
     "micro_batches": integer(1),
     "accumulation": Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
     "global_micro_batches": optional(integer(1), "micro_batches per worker and round"),

@@ -37,6 +37,7 @@ from .dealing import GlobalBatches, dealt_stream
 from .flat import FlatParams
 from .local_loop import LocalStepsLoop
 from .loss import LossFn, batch_size, default_loss
+from .auto import resolve as resolve_auto
 from .batching import Accumulation
 from .rounds import RoundContext, RoundRequest, RoundResult
 from .state import EngineState
@@ -58,6 +59,7 @@ class Engine(LocalStepsLoop):
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
         cfg.validate()
+        cfg = resolve_auto(cfg, model)  # strategy="auto": the planner and a probe choose (engine/auto.py)
         self.cfg = cfg
         self.model = model
         self.loss_fn = loss_fn or default_loss

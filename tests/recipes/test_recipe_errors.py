@@ -36,7 +36,7 @@ def test_help_documents_every_flag():
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())  # argparse wraps lines
     assert "(field " not in text
-    assert "{" + ",".join(STRATEGIES) + "}" in text
+    assert "{" + ",".join(STRATEGIES) + ",auto}" in text  # auto: engine/auto.py
     codecs = text.split("--codec {", 1)[1].split("}", 1)[0].split(",")
     assert sorted(codecs) == sorted(CODECS)
     for flag in ("--param-codec {auto,float32,bfloat16,int8,int4}", "--lr-schedule {constant,linear,cosine}",
@@ -73,7 +73,7 @@ def test_bad_choice_is_one_line_and_exit_2():
     r = run_recipe(["--strategy", "ddp"])
     assert r.returncode == 2
     assert error_lines(r) == ["finetune: error: argument --strategy: invalid choice: 'ddp' "
-                              "(choose from 'zero1', 'dpu', 'acco', 'local_sgd', 'diloco', 'sparseloco', 'onebit_adam') (--help lists the flags)"]
+                              "(choose from 'zero1', 'dpu', 'acco', 'local_sgd', 'diloco', 'sparseloco', 'onebit_adam', 'auto') (--help lists the flags)"]
 
 
 @pytest.mark.parametrize("case", ["file", "under-file", "dev-null", "read-only"])
