@@ -1,0 +1,115 @@
+"""The README's projections (docs/DESIGN.md section 10.7): 1B, 8B and 70B dense models on nodes
+of 8 H100s, 2, 8 and 64 nodes, 1, 10 and 100 Gbit/s per node link, and the sanity checks
+against published figures.
+
+    python -m engine.planner.projections            # both tables, markdown
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .hardware import gpu
+from .modes import Mode
+from .plan import make_plan
+from .shape import PRESETS, from_shape
+from .timeline import Batch, step_time
+from .wire import Layout, WireSettings
+
+MFU = 0.4
+GLOBAL_BATCH = 1024  # sequences of 4096 tokens per optimizer step: 4.2M tokens
+MICRO_BATCH = 1
+TWO = "two-level"
+COLUMNS = [
+    ("zero1", Mode("zero1", exchange=TWO)),
+    ("dpu+loco4+int4p", Mode("dpu", "loco4", "int4", exchange=TWO)),
+    ("acco", Mode("acco", exchange=TWO)),
+    ("acco+loco4+int4p", Mode("acco", "loco4", "int4", exchange=TWO)),
+    ("acco+loco4+int4p flat", Mode("acco", "loco4", "int4")),
+    ("onebit_adam", Mode("onebit_adam", exchange=TWO)),
+    ("diloco H=15", Mode("diloco", exchange=TWO)),
+    ("sparseloco H=15", Mode("sparseloco", exchange=TWO)),
+]
+
+
+def projection_table() -> str:
+    ws = WireSettings(compute_bytes=2)
+    head = ["model", "nodes x 8", "Gbit/s", "compute s/step", "DDP bf16 s/step"] + [c for c, _ in COLUMNS] + \
+        ["recommended (AdamW class)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in ("1b", "8b", "70b"):
+        shape = PRESETS[name]
+        for nodes in (2, 8, 64):
+            for link in (1, 10, 100):
+                layout = Layout(nodes, 8)
+                hw = gpu(link, mfu=MFU)
+                plan = make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws,
+                                 modes=[m for _, m in COLUMNS] + [Mode("zero1"), Mode("acco", "loco4", "int8", exchange=TWO),
+                                                                  Mode("zero1", "loco4", "int4", exchange=TWO)])
+                ref = next(r for r in plan.rows if r.mode == plan.reference)
+                cells = [name.upper(), str(nodes), f"{link:g}", f"{ref.time.compute_s:.3g}", f"{ref.time.step_s:.3g}"]
+                for _, m in COLUMNS:
+                    r = next(r for r in plan.rows if r.mode == m)
+                    cells.append(f"{r.speedup_vs_ddp:.2f}x")
+                c = plan.choice
+                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute)")
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sanity_checks() -> str:
+    out = []
+    # 1. ACCO (Nabli et al., arXiv 2406.02613): GPT-Neo 125M pretraining on 32 A100 (4 nodes x 8,
+    # 100 Gb/s Omni-Path): wall clock -26% against ZeRO-1, bf16. Their collectives are NCCL rings
+    # (reduce-scatter, all-gather): a ring crosses each node boundary once, (N-1)/N P e per node
+    # link, which is the two-level exchange's node-link bytes; our flat all-to-all would send G times that.
+    neo = from_shape(12, 768, 50257, params=125_000_000, seq_len=2048)
+    a100 = gpu(100, intra_GBps=300, flops=312e12, mfu=0.3, name="A100")
+    ws = WireSettings(compute_bytes=2)
+    for batch in (64, 256, 512):
+        z = step_time(Mode("zero1", exchange=TWO), neo, Layout(4, 8), a100, Batch(batch, 2), ws)
+        a = step_time(Mode("acco", exchange=TWO), neo, Layout(4, 8), a100, Batch(batch, 2), ws)
+        out.append(f"- ACCO paper, GPT-Neo 125M, 4 x 8 A100 (312 TFLOP/s bf16, MFU 0.3 assumed), 100 Gbit/s, ring "
+                   f"(two-level) bytes, bf16, batch {batch} x 2048 tokens: zero1 {z.step_s:.3g} s/step, acco "
+                   f"{a.step_s:.3g} s/step: {100 * (a.step_s / z.step_s - 1):+.0f}% wall clock (published: -26%; "
+                   f"the batch is not in /work/shared/FIELD.md).")
+    # 2. INTELLECT-1 (Prime Intellect, arXiv 2412.01152): 10B, DiLoCo between nodes of 8 H100 (FSDP
+    # inside), H = 100 inner steps, int8 pseudo-gradients; 83-96% compute utilisation.
+    ten = from_shape(42, 4096, 128256, params=10_000_000_000, seq_len=8192)
+    for link in (0.5, 1, 4):
+        t = step_time(Mode("diloco", exchange=TWO, inner_steps=100), ten, Layout(14, 8), gpu(link, mfu=MFU),
+                      Batch(14 * 8 * 2, 2), WireSettings(compute_bytes=2, pseudo_grad_bytes=1))
+        out.append(f"- INTELLECT-1, 10B, 14 nodes x 8 H100, diloco H = 100 two-level, int8 pseudo-gradients, "
+                   f"{link:g} Gbit/s per node: {100 * t.compute_utilisation:.0f}% compute utilisation "
+                   f"(published: 83-96%).")
+    # 3. Covenant-72B (SparseLoCo): 70+ peers, ~110 Mbit/s uplinks, 94.5% utilisation, 70 s of
+    # communication per round, 1.56% density. Our exchange is an all-gather (every rank sends its
+    # payload to every other: (N - 1) payloads through its link); theirs uploads one payload to
+    # object storage and downloads the others, so the uplink carries one payload per round.
+    cov = from_shape(80, 8192, 128256, params=72_000_000_000, seq_len=2048)
+    ws_c = WireSettings(compute_bytes=2, topk_density=0.0156)
+    m = Mode("sparseloco", exchange=TWO, inner_steps=30)
+    t = step_time(m, cov, Layout(70, 8), gpu(0.11, mfu=MFU), Batch(70 * 8 * 4, 4), ws_c)
+    one = t.bytes.round_node_link / 69  # one payload of the node: what an upload-once exchange sends
+    upload_s = one / (0.11e9 / 8)
+    inner = t.compute_s
+    util_upload = inner * 30 / (inner * 30 + max(0.0, upload_s - 0))
+    out.append(f"- Covenant-72B, 70 nodes x 8 H100, sparseloco H = 30, density 1.56%, 110 Mbit/s: one node's payload "
+               f"{one / 1e9:.3g} GB, {upload_s:.0f} s to upload at 110 Mbit/s (published: ~70 s of communication per "
+               f"round); with an upload-once exchange and no overlap {100 * util_upload:.1f}% compute utilisation "
+               f"(published: 94.5%); with our all-gather, which sends 69 payloads through each node's link, "
+               f"{100 * t.compute_utilisation:.1f}%: at 70 peers over 110 Mbit/s our exchange is the wrong one.")
+    return "\n".join(out)
+
+
+def main() -> None:
+    print(f"H100 SXM (989 TFLOP/s bf16, MFU {MFU}, 3.35 TB/s HBM, NVLink 450 GB/s per GPU), 8 per node; global batch "
+          f"{GLOBAL_BATCH} x 4096 tokens, micro-batch {MICRO_BATCH}, bf16; speed-up = DDP bf16 ring's step time / the mode's "
+          "(local-step modes: per inner step, the same samples)\n")
+    print(projection_table())
+    print("\nSanity checks against published figures:\n")
+    print(sanity_checks())
+
+
+if __name__ == "__main__":
+    main()
