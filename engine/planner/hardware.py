@@ -79,7 +79,8 @@ def gpu(inter_gbit: float, intra_GBps: float = 450.0, flops: float = H100_BF16_F
     bw = 0.7 * hbm_Bps
     return Hardware(name=name, inter_Bps=gbit(inter_gbit), intra_Bps=intra_GBps * 1e9, flops=flops, mfu=mfu,
                     samples_per_s=samples_per_s, shares_core=False, link_efficiency=0.9, framing=1.0,
-                    round_s_per_param=2 * 2 / bw, shard_opt_s_per_param=32 / bw, codec_s_per_param=12 / bw, onebit_s_per_param=40 / bw,
+                    round_s_per_param=2 * 2 / bw, shard_opt_s_per_param=32 / bw, codec_s_per_param=12 / bw,
+                    onebit_s_per_param=40 / bw,
                     outer_s_per_param={"diloco": 24 / bw, "sparseloco": 48 / bw}, optimizer_s_per_param=32 / bw,
                     transport_s_per_byte=0.0)
 
@@ -107,7 +108,8 @@ def cpu_testbed(rate_bps: float, samples_per_s: float, constants: dict | None = 
     cls = "fast" if rate_bps >= 5e8 else "slow"
     eff = _interpolate_log(c["link_efficiency"], rate_bps)
     return Hardware(name="cpu-testbed", inter_Bps=rate_bps / 8, samples_per_s=samples_per_s, shares_core=True,
-                    link_efficiency=eff, framing=c["framing"][cls], round_s_per_param=c["round_s_per_param"], codec_s_per_param=0.0,
+                    link_efficiency=eff, framing=c["framing"][cls], round_s_per_param=c["round_s_per_param"],
+                    codec_s_per_param=0.0,
                     onebit_s_per_param=c["onebit_s_per_param"], outer_s_per_param=c["outer_s_per_param"],
                     optimizer_s_per_param=c["optimizer_s_per_param"],
                     transport_s_per_byte=c["transport_s_per_byte"][cls], compute_inflation=c["compute_inflation"])
