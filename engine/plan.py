@@ -20,6 +20,7 @@ import sys
 from dataclasses import asdict
 
 from .planner.hardware import H100_BF16_FLOPS, cpu_testbed, gpu
+from .planner.modes import candidates
 from .planner.plan import format_plan, make_plan
 from .planner.shape import PRESETS, from_shape, from_transformers
 from .planner.timeline import Batch
@@ -64,7 +65,11 @@ def shape_from(a):
         return from_shape(base.layers, base.hidden, base.vocab, base.params, a.seq_len or base.seq_len,
                           a.trainable_fraction)
     if a.model:
-        return from_transformers(a.model, a.seq_len, a.trainable_fraction)
+        try:
+            return from_transformers(a.model, a.seq_len, a.trainable_fraction)
+        except OSError as exc:
+            raise SystemExit(f"--model {a.model!r}: no transformers config there ({exc.__class__.__name__}); give a "
+                             f"folder with config.json, a hub id with a network, or a preset: {', '.join(PRESETS)}")
     if not (a.params or (a.layers and a.hidden)):
         raise SystemExit("give --model (a transformers config folder or a preset), or --layers and --hidden "
                          "(with --params for an exact count)")
@@ -125,8 +130,10 @@ def main(argv=None) -> int:
         hw = cpu_testbed(a.inter_gbit * 1e9, a.samples_per_s)
     else:
         hw = gpu(a.inter_gbit, a.intra_gbyte, a.tflops * 1e12, a.mfu, a.samples_per_s)
-    plan = make_plan(shape, layout, hw, batch, ws, modes=None if not a.flat_only else
-                     [m for m in __import__("engine.planner.modes", fromlist=["candidates"]).candidates(False)])
+    if a.global_batch < layout.world:
+        raise SystemExit(f"--global-batch {a.global_batch} gives some of the {layout.world} ranks no sample: "
+                         "raise it to at least one sample per rank")
+    plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None)
     if measured is not None and measured.rank != 0:
         return 0
     print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "

@@ -190,3 +190,28 @@ def test_measure_probes_two_gloo_processes_and_feeds_the_plan():
     # every rank takes the slowest rank's figures, so every rank plans the same
     assert (m0.inter_Bps, m0.samples_per_s) == (m1.inter_Bps, m1.samples_per_s)
     assert choice0 == choice1 and step0 == step1 > 0
+
+
+def test_cli_reads_a_transformers_config_folder(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    from engine.plan import main
+
+    GPT2Config(vocab_size=257, n_positions=129, n_embd=256, n_layer=6, n_head=8).save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--nodes", "2", "--inter-gbit", "0.1", "--cpu-testbed",
+                 "--samples-per-s", "17", "--global-batch", "16", "--micro-batch", "4",
+                 "--compute-dtype", "float32", "--flat-only"]) == 0
+    text = capsys.readouterr().out
+    assert "0.00484B parameters" in text and "[2-level]" not in text
+    with pytest.raises(SystemExit, match="no transformers config"):
+        main(["--model", str(tmp_path / "missing")])
+
+
+def test_loss_per_sample_comes_from_the_measured_tables():
+    from engine.planner.quality import quality
+
+    acco = quality(Mode("acco", "loco4", "int4"))
+    assert acco.sources and -1.0 < acco.loss_vs_adamw_pct < 1.5  # the README's matched-batch rows
+    assert quality(Mode("sparseloco")).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
+    assert quality(Mode("zero1", "loco4", "int8")).note.startswith("inferred")
+    assert quality(Mode("dpu")).loss_vs_adamw_pct is None
