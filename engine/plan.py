@@ -150,7 +150,8 @@ def main(argv=None) -> int:
                                           "step_s": r.time.step_s, "speedup_vs_ddp": r.speedup_vs_ddp,
                                           "compute_s": r.time.compute_s, "inter_s": r.time.inter_s,
                                           "intra_s": r.time.intra_s, "node_link_bytes": r.time.bytes.node_link,
-                                          "rank_bytes": r.time.bytes.rank, "memory_bytes": r.memory.total,
+                                          "rank_bytes": r.time.bytes.rank, "intra_rank_bytes": r.time.bytes.intra_rank,
+                                          "memory_bytes": r.memory.total, "memory": asdict(r.memory),
                                           "loss_vs_adamw_pct": r.quality.loss_vs_adamw_pct,
                                           "loss_sources": list(r.quality.sources)} for r in plan.rows],
                "recommended": plan.choice.mode.name, "why": plan.why}
