@@ -88,15 +88,16 @@ def gpu(inter_gbit: float, intra_GBps: float = 450.0, flops: float = H100_BF16_F
 # Measured on the CPU testbed (docs/results, matched-batch JSONs; medians over rows; seconds):
 # see engine/planner/validate.py `measure_constants`, which recomputes every one of them.
 TESTBED_CONSTANTS = {
-    "round_s_per_param": 3.7e-9,  # comm thread CPU of a zero1/dpu/acco round per padded value
+    "round_s_per_param": 3.55e-9,  # comm thread CPU of a zero1/dpu/acco round per padded value
     "onebit_s_per_param": 14.5e-9,  # comm thread CPU of a 1-bit Adam step per value
     "outer_s_per_param": {"diloco": 12e-9, "sparseloco": 26e-9},  # comm thread CPU per outer round
     "optimizer_s_per_param": 4.5e-9,  # torch AdamW / the fused inner AdamW on the compute thread
-    "transport_s_per_byte": {"slow": 10.6e-9, "fast": 1.4e-9},  # gloo threads, <= 100 Mbit/s | 1 Gbit/s
+    "transport_s_per_byte": {"slow": 10.6e-9, "fast": 1.28e-9},  # gloo threads, <= 100 Mbit/s | 1 Gbit/s
     "framing": {"slow": 1.052, "fast": 1.003},  # tx counter bytes / Comm's bytes
-    # achieved fraction of the shaped line by gloo, from torch DDP's rows (wire-bound, one large
-    # all-reduce): (bytes x framing / rate) / (step - compute - optimizer), by link rate (bit/s)
-    "link_efficiency": {20e6: 0.883, 100e6: 0.945, 1e9: 1.0},
+    # achieved fraction of the shaped line by gloo, from torch DDP's runs (wire-bound, one large
+    # all-reduce; one value per seed): (bytes x framing / rate) / (step - compute - optimizer), by
+    # link rate (bit/s)
+    "link_efficiency": {20e6: 0.883, 100e6: 0.945, 1e9: 0.954},
     "compute_inflation": 0.0,
 }
 

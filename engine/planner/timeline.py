@@ -68,7 +68,10 @@ def step_time(mode: Mode, shape: ModelShape, layout: Layout, hw: Hardware, batch
     t_c = _compute(hw, shape, batch.global_samples / n)
     if worker_speeds:
         mean = sum(worker_speeds) / len(worker_speeds)
-        if balance == "equal" or mode.is_ddp:
+        # speed shares need micro-batches to move: with one per worker per round (G_r <= N) every
+        # worker runs one and the slowest sets the pace, as under equal shares
+        per_round = batch.global_samples / batch.micro_batch / (1 if mode.is_ddp else mode.rounds)
+        if balance == "equal" or mode.is_ddp or per_round <= n:
             t_c = t_c * mean / min(worker_speeds)
     t_c_eff = t_c * (1 + hw.compute_inflation)
     transport = hw.transport_s_per_byte * b.rank
