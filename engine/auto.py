@@ -49,6 +49,8 @@ def resolve(cfg, model: torch.nn.Module):
         raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                          "unfreeze at least one parameter")
     device = params[0].device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     rank, world = init_process_group(device, cfg.timeout_s)
     out = copy.deepcopy(cfg)
     if world == 1:  # nothing to exchange: the synchronous reference
@@ -63,10 +65,14 @@ def resolve(cfg, model: torch.nn.Module):
     except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"strategy='auto' cannot time this model's forward on a synthetic batch ({exc}): "
                          "set the strategy yourself (python -m engine.plan says which)") from exc
-    from .planner.probe import time_compute, _device  # noqa: F401  (same group, same device rules)
+    from .planner.probe import time_compute
 
     measured = probe_cluster(None, 1, None, payload=min(8 * 2**20, max(2**20, numel * 4)), repeats=2)
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # e.g. BatchNorm's running stats
     samples_per_s = time_compute(step, 1, device, repeats=2)
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
     dtype = {"auto": params[0].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
     ws = WireSettings(compute_bytes=torch.empty((), dtype=dtype).element_size(), group_size=cfg.group_size,
                       scale_dtype=cfg.scale_dtype)

@@ -50,6 +50,8 @@ def _ensure_group() -> None:
         raise RuntimeError("--measure probes a cluster: start it under torchrun (or `accelerate launch`) "
                            "with at least 2 processes")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per rank, as torchrun numbers them
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://")
 
 
