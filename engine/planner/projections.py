@@ -79,7 +79,8 @@ def sanity_checks() -> str:
     for link in (0.5, 1, 4):
         t = step_time(Mode("diloco", exchange=TWO, inner_steps=100), ten, Layout(14, 8), gpu(link, mfu=MFU),
                       Batch(14 * 8 * 2, 2), WireSettings(compute_bytes=2, pseudo_grad_bytes=1))
-        out.append(f"- INTELLECT-1, 10B, 14 nodes x 8 H100, diloco H = 100 two-level, int8 pseudo-gradients, "
+        out.append(f"- INTELLECT-1, 10B, 14 nodes x 8 H100 (node count and inner batch assumed), diloco H = 100 "
+                   f"two-level, int8 pseudo-gradients, "
                    f"{link:g} Gbit/s per node: {100 * t.compute_utilisation:.0f}% compute utilisation "
                    f"(published: 83-96%).")
     # 3. Covenant-72B (SparseLoCo): 70+ peers, ~110 Mbit/s uplinks, 94.5% utilisation, 70 s of
@@ -94,7 +95,8 @@ def sanity_checks() -> str:
     upload_s = one / (0.11e9 / 8)
     inner = t.compute_s
     util_upload = inner * 30 / (inner * 30 + max(0.0, upload_s - 0))
-    out.append(f"- Covenant-72B, 70 nodes x 8 H100, sparseloco H = 30, density 1.56%, 110 Mbit/s: one node's payload "
+    out.append(f"- Covenant-72B, 70 peers as nodes of 8 H100 (assumed; H = 30 and the batch too), sparseloco, density "
+               f"1.56%, 110 Mbit/s: one node's payload "
                f"{one / 1e9:.3g} GB, {upload_s:.0f} s to upload at 110 Mbit/s (published: ~70 s of communication per "
                f"round); with an upload-once exchange and no overlap {100 * util_upload:.1f}% compute utilisation "
                f"(published: 94.5%); with our all-gather, which sends 69 payloads through each node's link, "
