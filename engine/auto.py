@@ -1,5 +1,5 @@
 """``strategy="auto"`` (opt-in): the engine chooses its strategy and codecs at start from the
-planner and a probe of the cluster it runs on (docs/DESIGN.md section 10.6).
+planner and a probe of the cluster it runs on (docs/DESIGN.md section 12.6).
 
 Among the strategies that keep synchronous AdamW's loss per sample (zero1, dpu, acco; never a
 local-step method, never 1-bit Adam), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or

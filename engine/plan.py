@@ -2,7 +2,7 @@
 
 Predicts, for every strategy and codec the engine has (and torch DDP), the step time, the bytes
 through each node's link, the training state per GPU and the measured loss per sample against
-AdamW, then recommends one and says why (docs/DESIGN.md section 10, README "Planning a run").
+AdamW, then recommends one and says why (docs/DESIGN.md section 12, README "Planning a run").
 
     python -m engine.plan --model 8b --nodes 8 --gpus-per-node 8 --inter-gbit 10 \\
         --global-batch 1024 --micro-batch 4

@@ -1,4 +1,4 @@
-"""The planner (`python -m engine.plan`, docs/DESIGN.md section 10): from a model, a cluster and a
+"""The planner (`python -m engine.plan`, docs/DESIGN.md section 12): from a model, a cluster and a
 batch it predicts, for every strategy and codec, the step time, the bytes per node link, the
 memory per GPU and the measured loss per sample, and recommends one. One job per file:
 

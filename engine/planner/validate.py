@@ -6,7 +6,7 @@ communication), its link rate and its batch; never from its step time. The comm 
 the testbed profile's stated constants (engine/planner/hardware.py ``TESTBED_CONSTANTS``), which
 ``measure_constants`` recomputes from the same JSONs' thread CPU counters.
 
-    python -m engine.planner.validate            # the table of docs/DESIGN.md section 10.4
+    python -m engine.planner.validate            # the table of docs/DESIGN.md section 12.4
 """
 
 from __future__ import annotations
