@@ -56,16 +56,53 @@ def default_store():
         return None
 
 
-class Comm:
-    """The engine's collectives. Every call is made from the one comm thread, in round order,
-    so ranks can never disagree on the order of collectives."""
+class LinkBytes:
+    """Bytes this worker sent, split by the link they cross: ``intra`` to ranks on its own node,
+    ``inter`` to ranks on other nodes (docs/DESIGN.md section 11). Every Comm of a worker (the
+    world, its node, its rail) adds to one of these."""
 
-    def __init__(self, rank: int, world_size: int, chunks: int = 1):
+    def __init__(self) -> None:
+        self.intra = 0
+        self.inter = 0
+
+    @property
+    def total(self) -> int:
+        return self.intra + self.inter
+
+
+class Comm:
+    """The engine's collectives over one process group (the default group, a node's group or a
+    rail). Every call is made from the one comm thread, in round order, so ranks can never
+    disagree on the order of collectives.
+
+    ``peer_nodes[j]`` is the node of group rank j (None: every peer on another node, as the
+    one-rank-per-node layout has it); it splits the bytes sent into intra- and inter-node."""
+
+    def __init__(self, rank: int, world_size: int, chunks: int = 1, group=None,
+                 peer_nodes: list[int] | None = None, counter: LinkBytes | None = None):
         self.rank = rank
         self.world_size = world_size
         self.chunks = chunks
-        self.bytes_sent = 0  # what this worker put on the wire, all rounds together
+        self.group = group  # None: the default group
+        self.counter = counter if counter is not None else LinkBytes()
+        if peer_nodes is None:
+            peer_nodes = list(range(world_size))
+        if len(peer_nodes) != world_size:
+            raise ValueError(f"peer_nodes names {len(peer_nodes)} ranks for a group of {world_size}")
+        # of the world_size - 1 peers, how many sit on this rank's own node
+        self._same_node = sum(1 for j, node in enumerate(peer_nodes) if j != rank and node == peer_nodes[rank])
         self._buffers: dict = {}  # buffer(): send/receive tensors reused every round
+
+    @property
+    def bytes_sent(self) -> int:
+        """What this worker put on the wire through any of its Comms, all rounds together."""
+        return self.counter.total
+
+    def _count(self, per_peer: int) -> None:
+        """``per_peer`` bytes to each of the other ranks of the group (an all-to-all row, an
+        all-gather piece), split by where the peer sits."""
+        self.counter.intra += self._same_node * per_peer
+        self.counter.inter += (self.world_size - 1 - self._same_node) * per_peer
 
     def all_to_all_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Send row j of ``rows`` ([world, L], any dtype) to rank j; returns the rows received
@@ -80,12 +117,12 @@ class Comm:
         for a, b in bounds:
             send = rows.contiguous() if whole else rows[:, a:b].contiguous()
             recv = received if whole else torch.empty_like(send)
-            works.append((a, b, recv, dist.all_to_all_single(recv, send, async_op=True)))
+            works.append((a, b, recv, dist.all_to_all_single(recv, send, group=self.group, async_op=True)))
         for a, b, recv, work in works:
             work.wait()
             if not whole:
                 received[:, a:b].copy_(recv)
-        self.bytes_sent += (n - 1) * rows[0].numel() * rows.element_size()
+        self._count(rows[0].numel() * rows.element_size())
         return received
 
     def buffer(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -102,8 +139,8 @@ class Comm:
         if self.world_size == 1:
             recv.copy_(send)
             return None
-        self.bytes_sent += (self.world_size - 1) * send[0].numel() * send.element_size()
-        return dist.all_to_all_single(recv, send, async_op=True)
+        self._count(send[0].numel() * send.element_size())
+        return dist.all_to_all_single(recv, send, group=self.group, async_op=True)
 
     def all_gather_start(self, recv: torch.Tensor, piece: torch.Tensor):
         """Start gathering every rank's ``piece`` (contiguous) into flat ``recv`` (rank order);
@@ -111,8 +148,8 @@ class Comm:
         if self.world_size == 1:
             recv.copy_(piece.view(-1))
             return None
-        self.bytes_sent += (self.world_size - 1) * piece.numel() * piece.element_size()  # a ring sends N-1 pieces
-        return _all_gather_single(recv, piece, async_op=True)
+        self._count(piece.numel() * piece.element_size())  # N-1 pieces, as a ring sends
+        return _all_gather_single(recv, piece, group=self.group, async_op=True)
 
     def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum over workers of ``full``'s shard ``rank``, in fp32.
@@ -151,35 +188,39 @@ class Comm:
         size = shard.numel()
         bounds = _chunk_bounds(size, self.chunks)
         if len(bounds) == 1:
-            _all_gather_single(out, shard.contiguous())
+            _all_gather_single(out, shard.contiguous(), group=self.group)
         else:
             rows = out.view(n, size)
             works = []
             for a, b in bounds:
                 # gloo wants a flat receive buffer (a [n, k] one is refused)
                 recv = torch.empty(n * (b - a), dtype=out.dtype, device=out.device)
-                works.append((a, b, recv, _all_gather_single(recv, shard[a:b].contiguous(), async_op=True)))
+                works.append((a, b, recv, _all_gather_single(recv, shard[a:b].contiguous(), group=self.group,
+                                                             async_op=True)))
             for a, b, recv, work in works:
                 work.wait()
                 rows[:, a:b].copy_(recv.view(n, b - a))
-        self.bytes_sent += (n - 1) * size * shard.element_size()  # a ring sends N-1 pieces
+        self._count(size * shard.element_size())  # N-1 pieces, as a ring sends
         return out
 
     def all_reduce_sum(self, small: torch.Tensor) -> torch.Tensor:
         """In-place sum of a small vector (counts, norms, flags)."""
         if self.world_size > 1:
-            dist.all_reduce(small)
-            self.bytes_sent += 2 * (self.world_size - 1) * small.numel() * small.element_size() // self.world_size
+            dist.all_reduce(small, group=self.group)
+            n, size = self.world_size, small.numel() * small.element_size()
+            # a ring all-reduce sends 2 (N-1)/N of the vector; split like the other collectives
+            self.counter.intra += 2 * self._same_node * size // n
+            self.counter.inter += 2 * (n - 1 - self._same_node) * size // n
         return small
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            dist.broadcast(tensor, src)
+            dist.broadcast(tensor, src, group=self.group)
         return tensor
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 # pieces of a pipelined collective start at multiples of this many values: torch's elementwise

@@ -12,7 +12,8 @@ from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES, validate_schedule
 
 from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional
-from .strategies import STRATEGIES  # names only: a strategy's module loads when first used
+from .strategies import STRATEGIES
+from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
 ACCUMULATION_MODES = ("fixed", "grow")
 BALANCES = ("equal", "speed")
@@ -107,6 +108,18 @@ class CommunicationConfig:
 
 
 @dataclass
+class LayoutConfig:
+    """Where the ranks sit and which exchange runs over them (engine/topology.py)."""
+
+    topology: str = setting("auto", "auto = two-level when the run has at least 2 nodes of at least 2 ranks "
+                            "(a full-precision reduce-scatter inside each node, then only the node's sum "
+                            "crosses the network, 1/G per rank over its rail), flat otherwise; flat = one "
+                            "exchange over all ranks; two_level = insist on it")
+    ranks_per_node: int | None = setting(None, "ranks per node (G); none = the launcher's LOCAL_WORLD_SIZE "
+                                         "(torchrun, accelerate launch), or 1 when it is not set")
+
+
+@dataclass
 class OuterConfig:
     """Local-step strategies (diloco, sparseloco; docs/DESIGN.md section 8): every worker takes
     inner optimizer steps alone, and an outer round merges them every inner_steps steps."""
@@ -163,7 +176,7 @@ class RuntimeConfig:
 
 
 SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
-            "comm": CommunicationConfig, "outer": OuterConfig, "onebit": OnebitConfig,
+            "comm": CommunicationConfig, "layout": LayoutConfig, "outer": OuterConfig, "onebit": OnebitConfig,
             "runtime": RuntimeConfig}
 # the flat keywords of earlier releases (and of the README's example) -> (section, field)
 _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
@@ -198,6 +211,7 @@ class EngineConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
     comm: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
     onebit: OnebitConfig = dataclasses.field(default_factory=OnebitConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
@@ -380,6 +394,8 @@ _RULES: dict[str, Rule] = {
     "timeout_s": number(0, low_open=True),
     "heartbeat_s": number(0, low_open=True),
     "comm_chunks": integer(1),
+    "topology": choice(TOPOLOGIES),
+    "ranks_per_node": optional(integer(1), "the launcher's LOCAL_WORLD_SIZE"),
     "checkpoint_dir": _checkpoint_dir,
     "checkpoint_every": integer(0),
     "progress": boolean,

@@ -30,6 +30,7 @@ from acco_loco.optim import init_state
 
 from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
+from .layout import choose_topology, make_two_level_collectives
 from .collectives import codec_groups, make_collectives
 from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
@@ -77,7 +78,9 @@ class Engine(LocalStepsLoop):
         elif cfg.keep_cpu_memory:
             keep_freed_memory()  # before the process group and the comm thread start
         rank, world = init_process_group(device, cfg.timeout_s)
-        self.comm = Comm(rank, world, cfg.comm_chunks)
+        self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
+        self.comm = Comm(rank, world, cfg.comm_chunks,
+                         peer_nodes=[self.layout.node_of(r) for r in range(world)])
         self.device = device
 
         self.ctx = self._place_parameters(named, rank, world)
@@ -88,6 +91,7 @@ class Engine(LocalStepsLoop):
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
 
+        self._link_mark = (self.comm.counter.intra, self.comm.counter.inter)  # after the start-up broadcast
         self.state = EngineState()  # counters and the pending accumulator: saved by save()
         self.state.start_accumulator(device)
         self._inflight: RoundHandle | None = None
@@ -127,7 +131,10 @@ class Engine(LocalStepsLoop):
         padded32[:flat32.numel()] = flat32
         self.comm.broadcast_(padded32, src=0)
         flat.data.copy_(padded32)
-        grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
+        if self.topology == "two_level":
+            grads, params = make_two_level_collectives(cfg, self.comm, self.layout, flat.padded, device, dtype)
+        else:
+            grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
         # local-step strategies run the optimizer on the whole buffer, their own full copy
         owned = padded32 if self.plan.local_steps else flat.shard(padded32, rank)
         return RoundContext(cfg=cfg, comm=self.comm, flat=flat, spec=self.spec,
@@ -421,7 +428,7 @@ class Engine(LocalStepsLoop):
             "micro_batches": self._step_local, "global_micro_batches": result.count,
             "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
             "skipped": result.skipped, "bad_ranks": result.bad_ranks, "rounds": self._step_rounds,
-            "min_micro_batches": self.accumulation.pacer.current,
+            "min_micro_batches": self.accumulation.pacer.current, **self._link_bytes(),
         }
         if result.skipped:
             log.warning("step %d skipped: %s rank(s) %s; the master, the optimizer state and the "
@@ -435,6 +442,13 @@ class Engine(LocalStepsLoop):
             ckpt.save_periodic(self, cfg.checkpoint_dir)
 
     # ------------------------------------------------------------------ helpers
+    def _link_bytes(self) -> dict:
+        """Bytes this rank sent since the last history entry, to its own node and to others."""
+        c = self.comm.counter
+        intra, inter = c.intra - self._link_mark[0], c.inter - self._link_mark[1]
+        self._link_mark = (c.intra, c.inter)
+        return {"wire_bytes_intra": intra, "wire_bytes_inter": inter}
+
     def _warn_stopped_early(self, ranks: list[int]) -> None:
         log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
                     "accumulated on this rank stay pending and are used if fit() continues",

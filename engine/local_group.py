@@ -19,6 +19,9 @@ def free_port() -> int:
 def _entry(fn, rank, world, port, queue, args, env):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    if "LOCAL_WORLD_SIZE" in env:  # nodes of G ranks, numbered node by node as torchrun does
+        g = int(env["LOCAL_WORLD_SIZE"])
+        os.environ.update({"LOCAL_RANK": str(rank % g), "GROUP_RANK": str(rank // g)})
     os.environ.update(env)
     import torch
 

@@ -103,7 +103,7 @@ class LocalStepsLoop:
         their bytes and results); a periodic checkpoint first finishes the round in flight."""
         now = time.perf_counter()
         entry.update({"wire_bytes": self._step_bytes, "time_s": now - self._clock, "rounds": self._step_rounds,
-                      "outer": self._outer_done})
+                      "outer": self._outer_done, **self._link_bytes()})
         self.history.append(entry)
         self._clock = now
         self._step_rounds = self._step_bytes = 0

@@ -15,6 +15,8 @@ class Strategy:
     comm thread and touches only ``ctx`` and the strategy's own state)."""
 
     plan: RoundPlan
+    # whether its rounds run the two-level exchange when the layout asks for it (engine/topology.py)
+    two_level = False
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError

@@ -65,6 +65,7 @@ class CompressedState:
 
 
 class OnebitAdam(ShardedStrategy):
+    two_level = False  # its 1-bit exchange runs on the flat group (docs/DESIGN.md section 11)
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
 
     def __init__(self, cfg) -> None:

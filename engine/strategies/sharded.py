@@ -62,6 +62,8 @@ class RoundTotals:
 
 
 class ShardedStrategy(Strategy):
+    two_level = True  # its reducer and gatherer take the node's level first (engine/two_level.py)
+
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         """A reduced half from an earlier round that this round's step adds (none here)."""
         return None

@@ -1,0 +1,112 @@
+"""The two-level exchange of a sharded round: full precision inside the node, only the node's
+sum across the link (docs/DESIGN.md section 11).
+
+With M nodes of G ranks and shards of S values, the flat buffer is seen as [M, G, S]: chunk
+m * G + l is rank (m, l)'s shard, as in the flat layout, so master shards, optimizer moments,
+clipping and checkpoints are the same as flat. Local rank l's *slice* is the M chunks
+{m * G + l}: the chunks its rail (rank l of every node) owns.
+
+Gradient: a reduce-scatter inside the node gives local rank l the node's fp32 sum of its slice
+(each rank sends G - 1 slices of P/G values in the gradient's dtype to its node peers); the
+node's micro-batch count is summed beside it; then the rail runs the plain or compressed
+reduce-scatter of the flat engine on that slice, with the node's count as the weight, so the
+codec and its error feedback see the node's mean gradient on P/G values (G x less error state).
+
+Parameters: the rail's all-gather (cast or delta codec) brings rank (m, l) every new chunk of
+slice l; then the node's all-gather (the held dtype, exact) gives every rank the whole buffer.
+Every rank of a rail applies the same decoded values to the same held values, and the node's
+gather copies them, so replicas stay bit-identical across all nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+from .host import to_host
+from .topology import Layout
+
+
+class TwoLevelGrads:
+    """A gradient reducer: the node's reduce-scatter, then ``inner`` (a flat reducer built for
+    P/G values over M ranks) over the rail."""
+
+    input_nonfinite = None  # the round checks this rank's own gradient (engine/strategies/sharded.py)
+
+    def __init__(self, inner, node: Comm, rail: Comm, layout: Layout):
+        self.inner, self.node, self.rail, self.layout = inner, node, rail, layout
+        self.feedback = getattr(inner, "feedback", None)
+        self._count = None
+
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
+        m, g = self.layout.nodes, self.layout.ranks_per_node
+        shard, dev = full.numel() // (m * g), full.device
+        # rows for the node's all-to-all: row j = local rank j's slice, its M chunks in node order
+        rows = self.node.buffer(("two_level.rows",), (g, m * shard), full.dtype, dev)
+        rows.view(g, m, shard).copy_(full.view(m, g, shard).transpose(0, 1))
+        node_sum = self.node.buffer(("two_level.node_sum",), (m * shard,), torch.float32, dev)
+        self.node.reduce_scatter_sum(rows.view(-1), node_sum)
+        if self._count is None or self._count.device != dev:
+            self._count = torch.zeros(1, dtype=torch.float64, device=dev)
+        self._count.fill_(float(count))
+        node_count = int(to_host(self.node.all_reduce_sum(self._count))[0])
+        if self.feedback is None and full.dtype != torch.float32:
+            # uncompressed: the rail carries the node's sum in the gradient's dtype, as flat does
+            wire = self.node.buffer(("two_level.wire",), (m * shard,), full.dtype, dev)
+            node_sum = wire.copy_(node_sum)
+        return self.inner.reduce(self.rail, node_sum, node_count)
+
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def end_step(self, committed_step: int, skipped: bool) -> None:
+        self.inner.end_step(committed_step, skipped)
+
+    def state_dict(self, mid_step: bool) -> dict[str, torch.Tensor]:
+        return self.inner.state_dict(mid_step)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+        self.inner.load_state_dict(tensors, where)
+
+
+class TwoLevelParams:
+    """A parameter gatherer: ``inner`` (a flat gatherer) over the rail on this rank's slice,
+    then the node's all-gather of the slices."""
+
+    def __init__(self, inner, node: Comm, rail: Comm, layout: Layout):
+        self.inner, self.node, self.rail, self.layout = inner, node, rail, layout
+
+    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
+        for k in range(len(self.begin(comm, held))):
+            self.push(comm, k, new_shard)
+        return self.finish(comm, held)
+
+    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+        m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
+        shard = held.numel() // (m * g)
+        # what this rail holds of its slice: the inner gatherer updates it, never ``held`` itself
+        self._slice = self.node.buffer(("two_level.slice",), (m * shard,), held.dtype, held.device)
+        self._slice.view(m, shard).copy_(held.view(m, g, shard)[:, local, :])
+        return self.inner.begin(self.rail, self._slice)
+
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
+        self.inner.push(self.rail, k, new_shard)
+
+    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
+        """Install the new parameters in ``held`` once every rail's are in and finite; else
+        return the (global) ranks whose new shard was not finite, ``held`` untouched on every
+        replica: the node agrees on the union of its rails' findings first."""
+        m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
+        shard = held.numel() // (m * g)
+        bad_rail = self.inner.finish(self.rail, self._slice)
+        flags = self.node.buffer(("two_level.flags",), (m * g,), torch.float64, held.device)
+        flags.zero_()
+        for node in bad_rail:
+            flags[node * g + local] = 1.0
+        bad = [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
+        if bad:
+            return bad
+        gathered = self.node.buffer(("two_level.gathered",), (g * m * shard,), held.dtype, held.device)
+        self.node.all_gather(self._slice, gathered)
+        held.view(m, g, shard).copy_(gathered.view(g, m, shard).transpose(0, 1))
+        return []

@@ -1,0 +1,239 @@
+"""The two-level exchange (engine/two_level.py) in real gloo groups laid out as M nodes x G ranks:
+the float64 reference of each sharded strategy, the compressed reduce-scatter against the node's
+dequantized sum per rail slice, the equivalence with a flat run of M workers that each run their
+node's micro-batches, bytes per link class against docs/DESIGN.md section 11, bit-identical
+replicas, a bit-exact resume and the errors at start."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from acco_loco.codecs import make_codec
+from acco_loco.registry import GradCodecSpec
+from engine import Engine, EngineConfig
+from engine.comm import Comm, LinkBytes
+from engine.collectives import CompressedGrads
+from engine.local_group import spawn
+from engine.topology import Layout, build_groups
+from engine.two_level import TwoLevelGrads
+from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
+
+LAYOUTS = [(2, 2), (2, 3), (3, 2)]
+STEPS, K = 6, 2
+
+
+def _env(g: int) -> dict:
+    return {"LOCAL_WORLD_SIZE": str(g)}
+
+
+def wide_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 512), torch.nn.Tanh(), torch.nn.Linear(512, 3))
+
+
+# ---------------------------------------------------------------- sharded strategies, no codec
+def _strategies(rank: int, world: int):
+    out = {}
+    for strategy in ("zero1", "dpu", "acco"):
+        model = tiny_model(seed=0)
+        cfg = EngineConfig(strategy=strategy, lr=1e-2, weight_decay=0.1, micro_batches=K, accumulation="fixed",
+                           max_steps=STEPS, align=8, topology="two_level", comm_chunks=2 if strategy == "acco" else 1)
+        engine = Engine(model, cfg, mse_loss)
+        assert engine.topology == "two_level"
+        it = iter(worker_stream(rank, 3 * K * (STEPS + 1)))
+        snaps = []
+        for _ in range(STEPS):
+            engine.fit(it, steps=1)
+            snaps.append(flat_params(model))
+        engine.close()
+        out[strategy] = snaps
+    return out
+
+
+@pytest.mark.parametrize("m,g", LAYOUTS)
+def test_sharded_strategies_match_the_float64_reference(m, g):
+    world = m * g
+    results = spawn(_strategies, world, env=_env(g))
+    for strategy in ("zero1", "dpu", "acco"):
+        streams = [worker_stream(r, 3 * K * (STEPS + 1)) for r in range(world)]
+        want = Reference(tiny_model(seed=0), streams, K, lr=1e-2, weight_decay=0.1).run(strategy, STEPS)
+        for step in range(STEPS):
+            mine = results[0][strategy][step]
+            for r in range(1, world):  # every replica on every node bit-identical
+                assert torch.equal(results[r][strategy][step], mine), (strategy, step, r)
+            # float32 summation order differs from flat (node sums first): the same bound as flat
+            assert rel_err(mine, want[step]) < 1e-6, (strategy, step)
+
+
+# ---------------------------------------------------------------- the compressed reduce-scatter
+NUMEL, GROUP = 12 * 1024, 128
+
+
+def _full(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(NUMEL, generator=g) * (1 + rank)
+
+
+def _reduce(rank: int, world: int, m: int, g: int):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    layout = Layout(nodes=m, ranks_per_node=g, node=rank // g, local=rank % g)
+    groups = build_groups(layout, torch.device("cpu"))
+    counter = LinkBytes()
+    node = Comm(layout.local, g, group=groups.node_group, peer_nodes=[0] * g, counter=counter)
+    rail = Comm(layout.node, m, group=groups.rail_group, peer_nodes=list(range(m)), counter=counter)
+    inner = CompressedGrads(GradCodecSpec("none", "int4"), NUMEL // g, m, GROUP, "float32", 0.8, 1024, "fp32",
+                            torch.device("cpu"), stochastic=False, seed=0)
+    out = TwoLevelGrads(inner, node, rail, layout).reduce(None, _full(rank), count=rank + 1)
+    return out, counter.intra, counter.inter
+
+
+@pytest.mark.parametrize("m,g", LAYOUTS)
+def test_compressed_reduce_scatter_compresses_the_node_sum_per_rail_slice(m, g):
+    world = m * g
+    results = spawn(_reduce, world, m, g)
+    codec = make_codec("int4", group_size=GROUP)
+    shard = NUMEL // world
+    # the node's sum and count; the codec sees the node's mean of each rail slice, weighted by the count
+    want = torch.zeros(NUMEL, dtype=torch.float64)
+    for node in range(m):
+        ranks = range(node * g, (node + 1) * g)
+        node_sum = sum(_full(r).double() for r in ranks)
+        count = sum(r + 1 for r in ranks)
+        chunks = node_sum.view(m, g, shard)
+        for local in range(g):  # rank (node, local) encodes slice local: chunks node' * g + local
+            payload, scales = codec.encode((chunks[:, local, :].reshape(-1) / count).float())
+            deq = codec.decode(payload, scales).double().view(m, shard)
+            want.view(m, g, shard)[:, local, :] += count * deq
+    exact = sum(_full(r).double() for r in range(world))
+    for r, (got, intra, inter) in enumerate(results):
+        torch.testing.assert_close(got.double(), want[r * shard:(r + 1) * shard], rtol=0, atol=2e-4)
+        # the node's reduce-scatter: G-1 slices of P/G fp32 values and the count's all-reduce
+        assert intra == (g - 1) * (NUMEL // g) * 4 + 2 * (g - 1) * 8 // g
+        # the rail: M-1 rows of one shard's payload, fp32 scales and the node's count
+        assert inter == (m - 1) * (shard * 4 // 8 + shard // GROUP * 4 + 4)
+    assert (want - exact).norm() / exact.norm() < 0.2  # a real approximation of the sum
+
+
+# ---------------------------------------------------------------- codecs in the engine
+def _codec_run(rank: int, world: int, topology: str, micro_batches: int, merged_from: int, steps: int = 5):
+    """acco + loco4 + int4 deltas; a flat run of M workers reads, each round, the micro-batches
+    of the ``merged_from`` ranks of its node in rank order (what the node's sum adds up)."""
+    model = wide_model()
+    cfg = EngineConfig(strategy="acco", codec="loco4", param_codec="int4", lr=3e-3, micro_batches=micro_batches,
+                       accumulation="fixed", max_steps=steps, topology=topology)
+    engine = Engine(model, cfg, mse_loss)
+    k = micro_batches // merged_from
+    streams = [worker_stream(rank * merged_from + j, 200) for j in range(merged_from)]
+    stream = [b for r in range(60) for s in streams for b in s[r * k:(r + 1) * k]]
+    history = engine.fit(iter(stream))
+    engine.close()
+    return flat_params(model), history, engine.topology
+
+
+@pytest.mark.parametrize("m,g", [(2, 2), (3, 2)])
+def test_two_level_codecs_equal_a_flat_run_of_the_nodes(m, g):
+    two = spawn(_codec_run, m * g, "two_level", K, 1, env=_env(g))
+    flat = spawn(_codec_run, m, "flat", g * K, g)  # one rank per node: the node's micro-batches
+    assert two[0][2] == "two_level" and flat[0][2] == "flat"
+    for r in range(1, m * g):
+        assert torch.equal(two[r][0], two[0][0]), r
+    for r in range(1, m):
+        assert torch.equal(flat[r][0], flat[0][0]), r
+    # the same quantized values up to float32 summation order of the node's sum
+    assert rel_err(two[0][0], flat[0][0]) < 1e-3
+    # and the codecs are at work (an uncompressed run lands elsewhere)
+    plain = Reference(wide_model(), [worker_stream(r, 200) for r in range(m * g)], K, lr=3e-3,
+                      weight_decay=0.0).run("acco", 5)[-1]
+    assert rel_err(two[0][0], plain.float()) > 1e-3
+    losses = [h["loss"] for h in two[0][1]]
+    assert losses[-1] < losses[0]
+
+
+def _bytes_run(rank: int, world: int, topology: str):
+    model = wide_model()
+    cfg = EngineConfig(strategy="acco", codec="loco4", param_codec="int4", lr=3e-3, micro_batches=1,
+                       accumulation="fixed", max_steps=3, topology=topology)
+    engine = Engine(model, cfg, mse_loss)
+    history = engine.fit(iter(worker_stream(rank, 50)))
+    engine.close()
+    return [(h["wire_bytes"], h["wire_bytes_intra"], h["wire_bytes_inter"]) for h in history], engine.flat.padded
+
+
+def test_bytes_per_link_class_equal_the_formula_and_halve_the_node_link():
+    m, g = 2, 2
+    n = m * g
+    two = spawn(_bytes_run, n, "two_level", env=_env(g))
+    flat = spawn(_bytes_run, n, "flat", env=_env(g))
+    padded = two[0][1]
+    shard, group = padded // n, 128
+    row = shard // 2 + shard // group * 4  # int4 payload + fp32 scales of one shard
+    small = (4 + 3 * n) * 8  # the round's small all-reduce (docs/DESIGN.md section 1.1)
+    # per round, docs/DESIGN.md section 11; acco runs two rounds per step
+    inter_two = (m - 1) * (row + 4) + (m - 1) * row + 2 * (n - g) * small // n
+    intra_two = ((g - 1) * (padded // g) * 4 + 2 * (g - 1) * 8 // g      # node reduce-scatter + count
+                 + (g - 1) * (padded // g) * 4 + 2 * (g - 1) * n * 8 // g  # node all-gather + flags
+                 + 2 * (g - 1) * small // n)
+    inter_flat = (n - g) * (row + 4) + (n - g) * row + 2 * (n - g) * small // n
+    for r in range(n):
+        for total, intra, inter in two[r][0]:
+            assert (intra, inter) == (2 * intra_two, 2 * inter_two)
+            assert total == intra + inter
+        for total, intra, inter in flat[r][0]:
+            assert inter == 2 * inter_flat and total == intra + inter
+    # the node's link carries 1/G of the flat exchange's bytes (and the small all-reduce)
+    assert two[0][0][-1][2] <= 0.55 * flat[0][0][-1][2]
+
+
+# ---------------------------------------------------------------- resume, errors
+def _resume(rank: int, world: int, directory: str):
+    def cfg(steps):
+        return EngineConfig(strategy="acco", codec="loco4", param_codec="int8", lr=3e-3, micro_batches=1,
+                            accumulation="fixed", max_steps=steps, topology="two_level", reset_period=3)
+
+    stream = worker_stream(rank, 100)
+    straight = Engine(wide_model(), cfg(8), mse_loss)
+    straight.fit(iter(stream))
+    straight.close()
+    first = Engine(wide_model(), cfg(4), mse_loss)
+    first.fit(iter(stream))
+    first.save(directory)
+    first.close()
+    model = wide_model(seed=7)
+    resumed = Engine.load(directory, model, cfg(8), mse_loss)
+    resumed.fit(itertools.islice(stream, resumed.consumed, None))
+    resumed.close()
+    return torch.equal(flat_params(model), flat_params(straight.model))
+
+
+def test_resume_is_bit_exact_under_two_level(tmp_path):
+    assert all(spawn(_resume, 4, str(tmp_path / "ckpt"), env=_env(2)))
+
+
+def _build(rank: int, world: int, kw: dict, per_rank: dict | None = None):
+    kw = {**kw, **(per_rank or {}).get(rank, {})}
+    Engine(tiny_model(), EngineConfig(max_steps=2, align=8, timeout_s=30, heartbeat_s=1, **kw), mse_loss)
+
+
+@pytest.mark.parametrize("kw,per_rank,env,match", [
+    ({"topology": "two_level"}, None, {}, "needs at least 2 nodes"),
+    ({"ranks_per_node": 3}, None, {}, "cannot be split into nodes of 3"),
+    ({}, {1: {"ranks_per_node": 2}}, {}, "disagree on the ranks per node"),
+    ({"topology": "two_level", "strategy": "diloco"}, None, _env(2), "no two-level exchange yet"),
+])
+def test_clear_errors_on_every_rank(kw, per_rank, env, match):
+    # every rank raises (none waits for a peer that already gave up): spawn reports each
+    errors = spawn_errors(_build, 4, kw, per_rank, env)
+    assert len(errors) == 4 and all(match in e for e in errors), errors
+
+
+def spawn_errors(fn, world, kw, per_rank, env) -> list[str]:
+    try:
+        spawn(fn, world, kw, per_rank, timeout=60, env=env)
+    except AssertionError as exc:
+        return [line for line in str(exc).splitlines() if line.startswith("rank ")]
+    return []
