@@ -214,6 +214,8 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"comm_chunks": 0}, "comm_chunks must be a positive integer, got 0"),
     ({"comm_chunks": 2.0}, "comm_chunks must be a positive integer, got 2.0"),
     ({"comm_chunks": True}, "comm_chunks must be a positive integer, got True"),
+    ({"topology": "ring"}, "unknown topology 'ring'"),
+    ({"ranks_per_node": 0}, "ranks_per_node must be"),
     ({"checkpoint_dir": ""}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got ''"),
     ({"checkpoint_dir": 123}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got 123"),
     ({"checkpoint_dir": b"/tmp/run"}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got b'/tmp/run'"),
