@@ -237,3 +237,47 @@ def spawn_errors(fn, world, kw, per_rank, env) -> list[str]:
     except AssertionError as exc:
         return [line for line in str(exc).splitlines() if line.startswith("rank ")]
     return []
+
+
+# ---------------------------------------------------------------- heterogeneous nodes
+TOTAL = 15  # global micro-batches per step: acco's rounds take 7 and 8, at least one per rank
+
+
+def _hetero(rank: int, world: int, strategy: str):
+    from engine import GlobalBatches
+
+    def loss_fn(model, batch):  # node 1 (ranks 2, 3) is 8x slower: speed shares move work off it
+        import time
+
+        time.sleep(0.016 if rank >= 2 else 0.002)
+        return mse_loss(model, batch)
+
+    cfg = EngineConfig(strategy=strategy, lr=1e-2, global_micro_batches=TOTAL, balance="speed", max_steps=STEPS,
+                       align=8, topology="two_level")
+    engine = Engine(tiny_model(0), cfg, loss_fn)
+    history = engine.fit(GlobalBatches(worker_stream(7, 400)))
+    engine.close()
+    return {"params": flat_params(engine.model), "round_counts": engine.round_counts,
+            "samples": [h["samples"] for h in history]}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "acco"])
+def test_heterogeneous_nodes_keep_the_global_batch_and_the_reference(strategy):
+    from engine.dealing import dealt_index
+
+    rounds = 2 if strategy == "acco" else 1
+    run = spawn(_hetero, 4, strategy, env=_env(2))
+    late = [sum(p["round_counts"][-3:]) for p in run]
+    assert min(late[:2]) >= 2 * max(late[2:]), late  # the fast node took the work
+    assert run[0]["samples"] == [TOTAL * 4] * STEPS  # the step's batch is the user's number
+    data = worker_stream(7, 400)
+    streams = [[] for _ in range(4)]
+    for r in range(len(run[0]["round_counts"])):
+        shares = [p["round_counts"][r] for p in run]
+        for w in range(4):
+            streams[w] += [data[dealt_index(r, i, w, shares, TOTAL, rounds)] for i in range(shares[w])]
+    counts = [p["round_counts"] for p in run]
+    want = Reference(tiny_model(0), streams, k=1, lr=1e-2, round_counts=counts, weight_decay=0.0).run(strategy, STEPS)
+    for p in run:
+        assert torch.equal(p["params"], run[0]["params"])
+    assert rel_err(run[0]["params"], want[-1]) < 1e-6
