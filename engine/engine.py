@@ -86,7 +86,7 @@ class Engine(LocalStepsLoop):
         self.flat = self.ctx.flat
         if self.plan.local_steps:
             self.strategy.setup(self.ctx)
-        self.worker = CommWorker(device)
+        self.worker = CommWorker(device, cfg.timeout_s)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
 
@@ -466,6 +466,7 @@ class Engine(LocalStepsLoop):
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
         self._inflight = None
+        self.worker.abort()  # NCCL: wakes a comm thread waiting on a lost peer's collective
         self.watchdog.close(reason)
 
     def _progress_bar(self):
