@@ -109,6 +109,17 @@ class CommWorker:
             finally:
                 handle._finished.set()
 
+    def adopt(self, tensors) -> None:
+        """Tensors made on the compute stream (a checkpoint's loaded state) that the comm side
+        keeps, uses on its stream and may drop there while its kernels still read them:
+        ``record_stream`` tells the caching allocator not to hand their memory to the compute
+        stream before the comm stream's work queued at that moment is done. No-op on CPU."""
+        if self.stream is None:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(self.stream)
+
     def abort(self) -> bool:
         """After a failed round under NCCL: abort the communicators, which ends the collective
         kernels spinning on a lost peer, so the comm thread's waits return; True if it aborted.
