@@ -466,7 +466,8 @@ class Engine(LocalStepsLoop):
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
         self._inflight = None
-        self.worker.abort()  # NCCL: wakes a comm thread waiting on a lost peer's collective
+        if reason == EXIT_PEER:
+            self.worker.abort()  # NCCL: ends a lost peer's collective, which wakes the comm thread
         self.watchdog.close(reason)
 
     def _progress_bar(self):

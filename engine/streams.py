@@ -126,7 +126,7 @@ class CommWorker:
         (gloo needs none: its collectives time out on their own and raise on the comm thread.)"""
         if self.stream is None or not (dist.is_available() and dist.is_initialized()):
             return False
-        if dist.get_backend() != "nccl":
+        if "nccl" not in str(dist.get_backend()):
             return False
         try:
             dist.distributed_c10d._abort_process_group()

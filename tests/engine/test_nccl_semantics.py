@@ -114,3 +114,20 @@ def test_process_group_settings(device, backend, monkeypatch):
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     else:
         assert seen["timeout"] == timedelta(seconds=100)
+
+
+def test_the_engine_aborts_the_communicators_only_for_a_lost_peer():
+    """A lost or stalled peer (WorkerLostError) ends the collectives; an error of this rank's own
+    (a bug in a loss function) leaves the process group usable (the comm thread's reads are
+    time-limited either way)."""
+    from engine import Engine, EngineConfig
+    from engine.watchdog import EXIT_ERROR, EXIT_PEER
+    from tests.tiny import mse_loss, tiny_model
+
+    for reason, want in ((EXIT_ERROR, []), (EXIT_PEER, [1])):
+        eng = Engine(tiny_model(0), EngineConfig(max_steps=1, align=8), mse_loss)
+        calls = []
+        eng.worker.abort = lambda: calls.append(1)
+        eng._abort(reason)
+        eng.close()
+        assert calls == want, reason
