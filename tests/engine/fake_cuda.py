@@ -7,7 +7,9 @@ build the Python binding of ``Tensor.to``/``Tensor.cuda`` refuses a CUDA target 
 dispatched ("not linked with support for cuda devices"), and ``pin_memory`` needs the CUDA host
 allocator. ``CudaOnCpuBuild`` routes those calls to the aten op they dispatch to
 (``aten._to_copy``: the same op, the same fake result) and records what was asked: the copies'
-``non_blocking`` flags and which host tensors were pinned.
+``non_blocking`` flags and which host tensors were pinned. Other limits of a CPU-only build, for
+which the tests use the meta device instead: indexing a fake CUDA tensor raises in the binding,
+and autograd through a fake CUDA leaf that requires grad aborts the process in C++.
 """
 
 from __future__ import annotations

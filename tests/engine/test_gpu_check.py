@@ -50,7 +50,7 @@ def test_its_code_paths_run_on_cpu(tmp_path):
     from benchmarks import gpu_check
 
     out = tmp_path / "smoke.json"
-    assert gpu_check.main(["--json", str(out), "--device", "cpu", "--small", "--repeats", "2",
+    assert gpu_check.main(["--json", str(out), "--device", "cpu", "--small", "--repeats", "2", "--no-compile",
                            "--parts", "overlap", "codecs"]) == 0
     got = json.loads(out.read_text())
     assert got["overlap"]["ok"] and got["overlap"]["zero1"]["steps"] == 5 and got["overlap"]["acco"]["steps"] == 5

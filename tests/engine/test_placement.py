@@ -1,10 +1,11 @@
 """The engine owns device placement (engine/placement.py): every micro-batch, however nested,
 reaches the model's device, from pinned memory with non_blocking on CUDA; a batch already there
-and a CPU model cost nothing. Proved without a GPU: fake CUDA tensors (FakeTensorMode, where
-mixing devices raises as on a GPU) for the CUDA copies and the recipe's data path, and the meta
-device (a non-CPU device whose mismatches raise and on which autograd runs on a CPU-only build;
-a fake CUDA leaf that requires grad aborts such a build in C++) for the engine's micro-batch
-path with its backward."""
+and a CPU model cost nothing. Proved without a GPU, with two stand-ins for a device: fake CUDA
+tensors (FakeTensorMode, where mixing devices raises as on a GPU) for the CUDA copies, and the
+meta device (a non-CPU device whose mismatches raise too) for the engine's micro-batch path and
+the recipe's data path, forward and backward: a CPU-only build aborts in C++ on autograd through
+a fake CUDA leaf and refuses to index one. The two engine tests fail on the code before
+placement (checked)."""
 
 from __future__ import annotations
 
