@@ -15,7 +15,8 @@ On one CUDA GPU, in under 10 minutes, it runs and records:
 4. ``codecs``: quantize + pack and decode of int8 / int4 / int2 / sign1 (groups of 128, fp32
    scales) and top-k (chunk 4096, density 0.02, 2-bit values), GB/s of fp32 input, against a
    device-to-device copy of the same fp32 buffer (target: >= 70% of the copy); the int and sign
-   codecs also through ``torch.compile`` (Triton), checked bit for bit against eager;
+   codecs also through ``torch.compile`` (Triton), checked against eager (bit for bit; sign1's
+   scale within 4 eps);
 5. ``memory``: bytes per parameter the engine holds after a few steps (``memory_allocated``),
    per strategy, against the formulas of README.md and docs/DESIGN.md section 3.1.
 
@@ -196,12 +197,16 @@ def codecs(args) -> dict:
             c_enc = torch.compile(lambda t: codec.encode(t, check_finite=False), dynamic=False)
             c_dec = torch.compile(lambda p, sc, o: codec.decode(p, sc, out=o), dynamic=False)
             cp, cs = c_enc(x)
-            same = torch.equal(cp, payload) and torch.equal(cs, scales)
+            if name == "sign1":  # a root mean square: summed in Inductor's order (tests/engine/test_compiled_codecs.py)
+                close = (cs - scales).abs() <= 4 * torch.finfo(torch.float32).eps * scales.abs()
+                same = torch.equal(cp, payload) and bool(close.all())
+            else:
+                same = torch.equal(cp, payload) and torch.equal(cs, scales)
             c_dec(payload, scales, dst)
             same = same and torch.equal(dst, codec.decode(payload, scales))
             enc = _device_time(lambda: c_enc(x), args.repeats, dev)
             dec = _device_time(lambda: c_dec(payload, scales, dst), args.repeats, dev)
-            rows[name]["compiled"] = {"bit_equal": same, "encode_gb_s": gbps(enc), "decode_gb_s": gbps(dec),
+            rows[name]["compiled"] = {"equal_to_eager": same, "encode_gb_s": gbps(enc), "decode_gb_s": gbps(dec),
                                       "encode_vs_copy": copy_s / enc, "decode_vs_copy": copy_s / dec}
     topk = TopKCodec(chunk=4096, density=0.02, bits=2)
     payload = topk.encode(x)
@@ -211,7 +216,7 @@ def codecs(args) -> dict:
                     "decode_vs_copy": copy_s / dec}
     worst = min(min(r["encode_vs_copy"], r["decode_vs_copy"]) for k, r in rows.items() if k != "copy")
     compiled = [r["compiled"] for r in rows.values() if "compiled" in r]
-    out = {"ok": all(c["bit_equal"] for c in compiled), "values": n, "codecs": rows, "worst_vs_copy": worst,
+    out = {"ok": all(c["equal_to_eager"] for c in compiled), "values": n, "codecs": rows, "worst_vs_copy": worst,
            "target": ">= 0.70 of the copy", "meets_target": worst >= 0.70}
     if compiled:
         out["compiled_worst_vs_copy"] = min(min(c["encode_vs_copy"], c["decode_vs_copy"]) for c in compiled)
