@@ -43,16 +43,19 @@ def test_the_gpu_tests_it_runs_are_collected():
 
 
 def test_its_code_paths_run_on_cpu(tmp_path):
-    """A smoke run of the overlap and codec parts on CPU at tiny sizes: the script's calls into the
-    engine and the codecs are right, so a GPU day is not lost to a typo (the figures mean nothing)."""
+    """A smoke run of every part but the GPU tests on CPU at tiny sizes: the script's calls into the
+    engine, the codecs and the recipe are right, so a GPU day is not lost to a typo (the figures
+    mean nothing; memory is not measured on CPU)."""
     import json
 
     from benchmarks import gpu_check
 
     out = tmp_path / "smoke.json"
     assert gpu_check.main(["--json", str(out), "--device", "cpu", "--small", "--repeats", "2", "--no-compile",
-                           "--parts", "overlap", "codecs"]) == 0
+                           "--parts", "overlap", "codecs", "memory", "finetune"]) == 0
     got = json.loads(out.read_text())
     assert got["overlap"]["ok"] and got["overlap"]["zero1"]["steps"] == 5 and got["overlap"]["acco"]["steps"] == 5
     assert set(got["codecs"]["codecs"]) == {"copy", "int8", "int4", "int2", "sign1", "topk"}
     assert all(r["encode_gb_s"] > 0 and r["decode_gb_s"] > 0 for k, r in got["codecs"]["codecs"].items() if k != "copy")
+    assert all(r["steps"] == 4 for r in got["memory"]["strategies"].values())
+    assert got["finetune"]["steps"] == 5 and len(got["finetune"]["losses"]) == 5
