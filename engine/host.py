@@ -22,7 +22,7 @@ wait_limit_s = 1800.0  # set by streams.CommWorker from EngineConfig.timeout_s
 
 def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``done`` (never blocking) until it is True; TimeoutError after ``timeout_s``. Spins
-    briefly first (a read normally waits for microseconds), then sleeps up to 1 ms between polls."""
+    for 100 us first (a read normally waits for microseconds), then sleeps up to 1 ms between polls."""
     start = time.monotonic()
     pause = 0.0
     while not done():
@@ -33,6 +33,8 @@ def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
         if waited > 1e-4:
             pause = min(1e-3, max(1e-5, 2 * pause))
             time.sleep(pause)
+        else:
+            time.sleep(0)  # let the compute thread have the GIL while we spin
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
