@@ -33,13 +33,14 @@ class HostClock:
     def poll(self) -> None:
         pass
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float = 5.0) -> None:
         pass
 
 
 class DeviceClock:
     """CUDA events on the current stream; ``done`` is called by a later ``stop``/``poll`` once the
-    GPU has passed the end event, or by ``flush`` (which waits: call it off the hot loop)."""
+    GPU has passed the end event, or by ``flush`` (which waits, time-limited: call it off the hot
+    loop)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -70,10 +71,18 @@ class DeviceClock:
             start, end, done = self._pending.popleft()
             done(self._seconds(start), self._seconds(end))
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait (at most ``timeout_s``: a stream stuck behind a lost peer must not hang a close)
+        for the last span, report what finished, drop the rest."""
+        from .host import wait_until
+
         if self._pending:
-            self._pending[-1][1].synchronize()
+            try:
+                wait_until(self._pending[-1][1].query, timeout_s, "the last micro-batch's end event")
+            except TimeoutError:
+                pass
         self.poll()
+        self._pending.clear()
 
 
 def make_clock(device: torch.device):

@@ -131,3 +131,20 @@ def test_the_engine_aborts_the_communicators_only_for_a_lost_peer():
         eng._abort(reason)
         eng.close()
         assert calls == want, reason
+
+
+def test_the_device_clock_flush_never_hangs(monkeypatch):
+    """Engine.close flushes the CUDA-event clock; a compute stream stuck behind a lost peer's
+    collective must not hang it (mocked events: the end event never completes)."""
+    from engine import clock
+
+    class Never:
+        def query(self):
+            return False
+
+    c = clock.DeviceClock.__new__(clock.DeviceClock)  # no CUDA here: only the pending spans matter
+    from collections import deque
+    c._pending, got = deque([(Never(), Never(), lambda a, b: got.append((a, b)))]), []
+    t0 = time.monotonic()
+    c.flush(timeout_s=0.2)
+    assert time.monotonic() - t0 < 1.0 and got == [] and not c._pending
