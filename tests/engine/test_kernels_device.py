@@ -5,7 +5,6 @@ device decision is mocked: no GPU here)."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from engine import Engine, EngineConfig
 from tests.engine.fake_cuda import fake_cuda
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
-HAVE_TOOLS = bool(shutil.which("c++") or shutil.which("g++"))
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.placement import Placement, map_tensors, tensors_of, to_device
-from tests.engine.fake_cuda import CUDA, fake_cuda, move_to_fake_cuda, record_input_devices
+from tests.engine.fake_cuda import CUDA, fake_cuda, record_input_devices
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 Pair = namedtuple("Pair", "x y")
