@@ -72,19 +72,3 @@ def record_input_devices(model: torch.nn.Module) -> list[torch.device]:
         m.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
-
-def move_to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
-    """``model.to("cuda")`` for a model made inside ``fake_cuda()``: every parameter and buffer
-    replaced by a fake CUDA one (tied weights stay tied). Module.to cannot: it swaps tensors in
-    place, which fake tensors (held by weak references) refuse."""
-    done: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for store, wrap in ((module._parameters, True), (module._buffers, False)):
-            for name, t in list(store.items()):
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    moved = torch.ops.aten._to_copy.default(t.detach(), device=CUDA)
-                    done[id(t)] = torch.nn.Parameter(moved, requires_grad=t.requires_grad) if wrap else moved
-                store[name] = done[id(t)]
-    return model
