@@ -32,9 +32,16 @@ dependency and the system's g++) into a shared library cached under ``$ACCO_LOCO
 (default ``~/.cache/acco_loco``), keyed by the source, the flags, the CPU (``-march=native``) and
 the torch version; about 1.5 s. The C entry points are bound with ctypes. Then a
 self-check runs every kernel against the torch code on a few random groups of every supported
-shape and keeps the kernels only if all bits agree. Any failure (no compiler, a mismatch, a
-non-CPU tensor, an unsupported codec) means the torch path, which stays the reference: nothing
-else changes. ``ACCO_LOCO_KERNELS=0`` turns the kernels off.
+shape and keeps the kernels only if all bits agree. Any failure (no compiler, a mismatch, an
+unsupported codec) means the torch path, which stays the reference: nothing else changes.
+``ACCO_LOCO_KERNELS=0`` turns the kernels off.
+
+GPU nodes: where CUDA is available the kernels are not built (the training runs on the GPU, and
+a ``-march=native`` build per node and torch version would only cost start-up time), unless asked
+for explicitly (``ACCO_LOCO_KERNELS=1``, or ``use(True)``: CPU training or tests on a GPU node).
+A kernel handed a tensor that is not on the CPU (CUDA, meta, fake) raises ``ValueError``, and a
+null address (a meta tensor's ``data_ptr()``) too: neither reaches the C code, where it would be
+a segfault. Callers that pass addresses (ints) rather than tensors check ``fits()`` first.
 """
 
 from __future__ import annotations
@@ -60,7 +67,17 @@ _SOURCE = (Path(__file__).with_name("kernels.c")).read_text()  # C, built by _bu
 
 _lib = None
 _state = "unbuilt"  # unbuilt | ready | off
+_forced = False  # use(True): build even on a CUDA node
 _lock = threading.Lock()
+
+
+def _env() -> str:
+    return os.environ.get("ACCO_LOCO_KERNELS", "").strip().lower()
+
+
+def _cuda_node() -> bool:
+    """Whether this process can see a CUDA device (then the CPU kernels are not built by default)."""
+    return torch.cuda.is_available()
 
 
 def _cpu_key() -> str:
@@ -122,8 +139,12 @@ def available() -> bool:
     if _state == "unbuilt":
         with _lock:
             if _state == "unbuilt":
-                if os.environ.get("ACCO_LOCO_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+                if _env() in ("0", "off", "false", "no"):
                     _state = "off"
+                elif _cuda_node() and not (_forced or _env() in ("1", "on", "true", "yes")):
+                    _state = "off"
+                    log.info("acco_loco: a CUDA node: the fused CPU kernels are not built (the torch path "
+                             "serves CPU tensors); ACCO_LOCO_KERNELS=1 builds them anyway")
                 else:
                     try:
                         _lib = _build()
@@ -141,10 +162,11 @@ def available() -> bool:
 
 def use(enabled: bool) -> None:
     """Turn the kernels off (the torch path everywhere), or on again (built and checked at the
-    next use, unless ``ACCO_LOCO_KERNELS=0``): for tests and comparisons. Collectives decide
+    next use, unless ``ACCO_LOCO_KERNELS=0``; on a CUDA node too): for tests and comparisons. Collectives decide
     when they are built, so set this before building an engine."""
-    global _lib, _state
+    global _lib, _state, _forced
     with _lock:
+        _forced = enabled
         if enabled:
             if _state == "off":
                 _state = "unbuilt"
@@ -152,8 +174,34 @@ def use(enabled: bool) -> None:
             _lib, _state = None, "off"
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _check_cpu(t: torch.Tensor, what: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"the fused kernels are CPU code: {what} is a tensor on {t.device}; on a GPU "
+                         "the torch path runs (check kernels.fits(t) before calling a kernel)")
+    if not t.is_contiguous():
+        raise ValueError(f"the fused kernels need contiguous tensors: {what} is not (.contiguous() first)")
+
+
+def _ptr(t: torch.Tensor | None, what: str = "a tensor") -> int | None:
+    if t is None:
+        return None
+    _check_cpu(t, what)
+    return t.data_ptr()
+
+
+def _addr(x, what: str) -> int | None:
+    """The address a kernel reads or writes: a CPU tensor's data, or an int already computed
+    from one. A non-CPU tensor or a null address raises instead of reaching the C code."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return _ptr(x, what)
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"{what}: a CPU tensor or its address (int), got {type(x).__name__}")
+    if x == 0:
+        raise ValueError(f"{what} is a null address (a meta tensor's data_ptr()?): the fused kernels "
+                         "need CPU tensors with data")
+    return x
 
 
 def _groups(numel: int, group: int) -> int:
@@ -173,6 +221,8 @@ def encode(x: int, rows: int, x_stride: int, numel: int, count: float, bits: int
     (plus the int8 error state at ``ecodes``/``escales``, laid out like ``x``, which then moves
     on when ``update``), into payload + scales rows at ``out``; True when ``x`` held a NaN/Inf."""
     mode = 0 if ecodes is None else (1 if e_zero else 2)
+    x, out = _addr(x, "x"), _addr(out, "out")
+    ecodes, escales = _addr(ecodes, "ecodes"), _addr(escales, "escales")
     return bool(_lib.encode(x, rows, x_stride, _groups(numel, group), group, bits, float(count), int(count != 1),
                             ecodes, escales, mode, int(update), float(beta), float(1.0 - beta), int(beta == 0.0),
                             out, out_stride, scales_off))
@@ -182,17 +232,20 @@ def decode_sum(rows_at: int, rows: int, stride: int, scales_off: int, weights_at
                numel: int, bits: int, group: int, out: int) -> None:
     """``out`` (fp32, ``numel``) = sum over rows r in order of w_r * deQ(row r); the weights are
     fp32 bytes read by the kernel (never on the host)."""
+    rows_at, weights_at, out = _addr(rows_at, "rows_at"), _addr(weights_at, "weights_at"), _addr(out, "out")
     _lib.decode_sum(rows_at, rows, stride, scales_off, weights_at, w_stride, _groups(numel, group), group, bits, out)
 
 
 def delta_encode(new: int, held: int, numel: int, bits: int, group: int, out: int, scales_off: int) -> bool:
     """Q(new - held) into payload + scales at ``out``; every scale NaN (and True) if a delta is not finite."""
+    new, held, out = _addr(new, "new"), _addr(held, "held"), _addr(out, "out")
     return bool(_lib.delta_encode(new, held, _groups(numel, group), group, bits, out, scales_off))
 
 
 def decode_add(rows_at: int, rows: int, stride: int, scales_off: int, numel: int, bits: int, group: int,
                held: int, held_stride: int) -> None:
     """Row r of ``held`` (at ``held + 4 * r * held_stride``) += deQ(row r)."""
+    rows_at, held = _addr(rows_at, "rows_at"), _addr(held, "held")
     _lib.decode_add(rows_at, rows, stride, scales_off, _groups(numel, group), group, bits, held, held_stride)
 
 
@@ -202,6 +255,9 @@ def adamw(grad_sum: torch.Tensor, count: int, coef: float, m: torch.Tensor, v: t
     """adamw.propose on ``grad_sum / count`` (times ``coef`` when below 1), into the ``*_out``;
     ``scratch`` (as long) takes the square root of the new second moment (torch's sqrt gives
     the same bits whatever the slices: it is elementwise)."""
+    for t, what in ((grad_sum, "grad_sum"), (m, "m"), (v, "v"), (p, "p"), (m_out, "m_out"), (v_out, "v_out"),
+                    (p_out, "p_out"), (scratch, "scratch")):
+        _check_cpu(t, what)
     beta1, beta2 = spec.betas
     w1 = 1 - beta1
     n = grad_sum.numel()

@@ -32,6 +32,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# under NCCL the process group's own timeout is a backstop beyond the engine's: the engine's
+# time-limited waits (timeout_s) fire first, name the lost peer from the heartbeats and abort the
+# communicators (streams.CommWorker.abort); only if that path itself hangs does NCCL's watchdog
+# end the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, set unless the user chose). Beyond the
+# diagnosis (2.5 heartbeats; heartbeat_s <= timeout_s / 3, so under 0.84 timeout_s) and a margin.
+NCCL_BACKSTOP = (2.0, 60.0)  # pg timeout = 2 * timeout_s + 60 s
+
+
 def init_process_group(device: torch.device, timeout_s: float) -> tuple[int, int]:
     """Return (rank, world_size), creating the default group from the launcher's env if needed."""
     if dist.is_available() and dist.is_initialized():
@@ -43,8 +51,13 @@ def init_process_group(device: torch.device, timeout_s: float) -> tuple[int, int
     if missing:
         raise RuntimeError(f"WORLD_SIZE={world} but {missing} are not set: start the workers with "
                            "torchrun or `accelerate launch`, which set them")
-    dist.init_process_group(backend_for(device), init_method="env://",
-                            timeout=timedelta(seconds=timeout_s))
+    backend = backend_for(device)
+    timeout = timeout_s
+    if backend == "nccl":
+        # errors and timeouts of NCCL collectives are handled by its watchdog, never left hanging
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        timeout = NCCL_BACKSTOP[0] * timeout_s + NCCL_BACKSTOP[1]
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 

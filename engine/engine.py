@@ -36,9 +36,11 @@ from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
 from .dealing import GlobalBatches, dealt_stream
 from .flat import FlatParams
+from .clock import make_clock
 from .local_loop import LocalStepsLoop
 from .loss import LossFn, batch_size, default_loss
 from .auto import resolve as resolve_auto
+from .placement import Placement
 from .batching import Accumulation
 from .rounds import RoundContext, RoundRequest, RoundResult
 from .state import EngineState
@@ -82,12 +84,14 @@ class Engine(LocalStepsLoop):
         self.comm = Comm(rank, world, cfg.comm_chunks,
                          peer_nodes=[self.layout.node_of(r) for r in range(world)])
         self.device = device
+        self.placement = Placement(device)  # every micro-batch goes to the model's device
+        self.clock = make_clock(device)  # micro-batch times: CUDA events on a GPU
 
         self.ctx = self._place_parameters(named, rank, world)
         self.flat = self.ctx.flat
         if self.plan.local_steps:
             self.strategy.setup(self.ctx)
-        self.worker = CommWorker(device)
+        self.worker = CommWorker(device, cfg.timeout_s)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
 
@@ -299,6 +303,7 @@ class Engine(LocalStepsLoop):
             self._inflight = None
         self.watchdog.close()
         self.worker.close()
+        self.clock.flush()
 
     # ------------------------------------------------------------------ compute side
     def _accumulate(self, it) -> bool:
@@ -321,7 +326,8 @@ class Engine(LocalStepsLoop):
             self._micro_batch(batch)
 
     def _micro_batch(self, batch: Any) -> None:
-        t0 = time.perf_counter()
+        span = self.clock.start()
+        batch = self.placement(batch)
         loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
@@ -334,11 +340,15 @@ class Engine(LocalStepsLoop):
         self.state.pending_samples += batch_size(batch)
         self.state.pending_loss += loss.detach().float()
         self.state.consumed += 1
-        t1 = time.perf_counter()
+        self.clock.stop(span, partial(self._micro_batch_timed, self.round_index))
+
+    def _micro_batch_timed(self, round_index: int, t0: float, t1: float) -> None:
+        """A micro-batch's time, once known (at once on CPU; on a GPU when its end event is
+        reached, so a time may count towards the round after its own: engine/clock.py)."""
         self.accumulation.pacer.on_micro_batch(t1 - t0)
         self._round_compute_s += t1 - t0
         if self.cfg.record_timeline:
-            self.timeline.append(("compute", self.rank, t0, t1, self.round_index))
+            self.timeline.append(("compute", self.rank, t0, t1, round_index))
 
     def _boundary(self, exhausted: bool) -> bool:
         """Finish the round in flight, submit the next; True when training must stop."""
@@ -472,6 +482,8 @@ class Engine(LocalStepsLoop):
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
         self._inflight = None
+        if reason == EXIT_PEER:
+            self.worker.abort()  # NCCL: ends a lost peer's collective, which wakes the comm thread
         self.watchdog.close(reason)
 
     def _progress_bar(self):

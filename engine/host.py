@@ -1,16 +1,52 @@
 """The only places a round reads device values on the host. On a GPU each read waits for the
 device (a host sync), so a round keeps them to what its control flow truly needs: the small
 all-reduce's counts and flags, and whether the gathered parameters are finite. Everything else
-(finiteness flags, weights, norms) stays on the device. tests/engine/test_host_syncs.py counts them."""
+(finiteness flags, weights, norms) stays on the device. tests/engine/test_host_syncs.py counts them.
+
+On a GPU a read is also where the comm thread would wait for ever behind a collective that never
+ends (a dead peer under NCCL: the kernel spins on the device, nothing returns an error to the
+host). So the read is time-limited: an asynchronous copy into pinned memory, then a poll of its
+event until ``wait_limit_s`` (the engine's ``timeout_s``), then TimeoutError. The poll also
+returns as soon as the communicator is aborted (streams.CommWorker.abort), which ends the kernel.
+"""
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
+
+wait_limit_s = 1800.0  # set by streams.CommWorker from EngineConfig.timeout_s
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``done`` (never blocking) until it is True; TimeoutError after ``timeout_s``. Spins
+    for 100 us first (a read normally waits for microseconds), then sleeps up to 1 ms between polls."""
+    start = time.monotonic()
+    pause = 0.0
+    while not done():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: a collective is stuck "
+                               "(a peer lost or stalled?)")
+        if waited > 1e-4:
+            pause = min(1e-3, max(1e-5, 2 * pause))
+            time.sleep(pause)
+        else:
+            time.sleep(0)  # let the compute thread have the GIL while we spin
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Bring a small tensor to the host (one sync on a GPU)."""
-    return t.cpu()
+    """Bring a small tensor to the host (one sync on a GPU, time-limited there)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(t.device))
+    wait_until(ready.query, wait_limit_s, "a device read on the communication side")
+    return out
 
 
 def nonfinite_rows(rows: torch.Tensor) -> list[int]:

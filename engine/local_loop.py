@@ -45,7 +45,7 @@ class LocalStepsLoop:
         self.flat.check_grads_attached()
         st, grad = self.state, self.flat.grads[self.flat.active]
         inner = self.strategy.inner_step(self.ctx, grad, st.pending_count, st.pending_samples,
-                                         float(st.pending_loss), self.step)
+                                         st.pending_loss, self.step)  # a device tensor: read there, once
         entry = {"step": self.step + 1, "loss": inner.loss, "lr": inner.lr, "samples": st.pending_samples,
                  "micro_batches": st.pending_count, "global_micro_batches": None, "grad_norm": inner.grad_norm,
                  "skipped": inner.skipped, "bad_ranks": [self.rank] if inner.skipped else [],

@@ -15,11 +15,17 @@ One thread for every collective means ranks can never disagree on the order of c
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+
+from . import host
+
+log = logging.getLogger("acco_loco")
 
 
 class RoundHandle:
@@ -61,8 +67,10 @@ def _name_os_thread(name: bytes) -> None:
 
 
 class CommWorker:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timeout_s: float | None = None):
         self.device = device
+        if timeout_s is not None:
+            host.wait_limit_s = timeout_s  # the comm thread's device reads give up after it
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="acco-loco-comm", daemon=True)
@@ -100,6 +108,32 @@ class CommWorker:
                 handle.error = exc
             finally:
                 handle._finished.set()
+
+    def adopt(self, tensors) -> None:
+        """Tensors made on the compute stream (a checkpoint's loaded state) that the comm side
+        keeps, uses on its stream and may drop there while its kernels still read them:
+        ``record_stream`` tells the caching allocator not to hand their memory to the compute
+        stream before the comm stream's work queued at that moment is done. No-op on CPU."""
+        if self.stream is None:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(self.stream)
+
+    def abort(self) -> bool:
+        """After a failed round under NCCL: abort the communicators, which ends the collective
+        kernels spinning on a lost peer, so the comm thread's waits return; True if it aborted.
+        (gloo needs none: its collectives time out on their own and raise on the comm thread.)"""
+        if self.stream is None or not (dist.is_available() and dist.is_initialized()):
+            return False
+        if "nccl" not in str(dist.get_backend()):
+            return False
+        try:
+            dist.distributed_c10d._abort_process_group()
+            return True
+        except Exception as exc:  # an experimental API: a failed abort must not hide the real error
+            log.warning("acco_loco: aborting the NCCL communicators failed (%s)", exc)
+            return False
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop the thread; returns False if it is stuck in a collective (it is a daemon)."""

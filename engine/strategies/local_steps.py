@@ -35,6 +35,12 @@ from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundRe
 from .base import Strategy
 
 
+def device_side(t: torch.Tensor) -> bool:
+    """Whether the inner step runs its accelerator path (one host read): off the CPU. Tests set
+    this to run that path on CPU."""
+    return t.device.type != "cpu"
+
+
 @dataclass
 class PeriodTotals:
     """This worker's work since the last outer round was submitted."""
@@ -131,14 +137,18 @@ class LocalStepStrategy(Strategy):
 
     # ------------------------------------------------------------------ compute side
     def inner_step(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int, samples: int,
-                   loss_sum: float, step_index: int) -> InnerStep:
+                   loss_sum: float | torch.Tensor, step_index: int) -> InnerStep:
         """One optimizer step of this worker alone on the mean of its accumulated micro-batch
         gradients (clipped by its own norm); a non-finite gradient or update leaves the state as
-        it was (nan_policy='skip') or raises ('stop')."""
+        it was (nan_policy='skip') or raises ('stop'). ``loss_sum``: the micro-batches' summed
+        loss (a 0-d tensor on the device: read with the step's one host read)."""
         cfg = ctx.cfg
         lr = lr_at(step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.period.micro_batches += count
         self.period.samples += samples
+        if device_side(grad_sum):
+            return self._inner_step_on_device(ctx, grad_sum, count, loss_sum, step_index, lr)
+        loss_sum = float(loss_sum)  # CPU: reading a CPU tensor waits for nothing
         self.period.loss_sum += loss_sum
         grad_sum = grad_sum.to(torch.float32)  # no copy in fp32
         sq = float(torch.dot(grad_sum, grad_sum))  # one pass, one host read
@@ -167,6 +177,39 @@ class LocalStepStrategy(Strategy):
         with torch.no_grad():
             ctx.flat.data.copy_(state.master)
         return InnerStep(lr, norm, loss_sum / count, False)
+
+    def _inner_step_on_device(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int,
+                              loss_sum: float | torch.Tensor, step_index: int, lr: float) -> InnerStep:
+        """The inner step on an accelerator: the same decisions and values as the CPU path, with
+        one host read instead of three (the CPU path reads the loss, the norm and the new
+        parameters' finiteness one at a time; each is a sync on a GPU). The norm, the clipping
+        coefficient and the proposal are computed on the device first; then the loss, the norm
+        and whether the proposal is finite come to the host together, and decide."""
+        cfg, state = ctx.cfg, ctx.shard_state
+        g = grad_sum.to(torch.float32)
+        sq = torch.dot(g, g)
+        # the fp32 squares may overflow for finite values (rare): then the float64 sum, as on CPU
+        sq = torch.where(torch.isfinite(sq), sq.to(torch.float64), squared_norm_f64(g))
+        norm = sq.sqrt() / count
+        grad = g / count
+        if cfg.max_grad_norm is not None and cfg.max_grad_norm > 0:  # clip_coefficient, on the device
+            coef = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+            grad.mul_(torch.where(coef < 1.0, coef, 1.0).to(torch.float32))
+        proposal = propose_step(state, grad, lr, ctx.spec)
+        if not torch.is_tensor(loss_sum):
+            loss_sum = torch.tensor(float(loss_sum), dtype=torch.float64)  # a caller's number: no device copy
+        read = to_host(torch.stack([loss_sum.to(norm.device, torch.float64), norm,
+                                    torch.isfinite(proposal.master).all().to(torch.float64)]))
+        loss_sum, norm_h, finite = float(read[0]), float(read[1]), bool(read[2])
+        self.period.loss_sum += loss_sum
+        if not math.isfinite(norm_h):
+            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite gradient")
+        if not finite:
+            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
+        state.install(proposal)
+        with torch.no_grad():
+            ctx.flat.data.copy_(state.master)
+        return InnerStep(lr, norm_h, loss_sum / count, False)
 
     def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec) -> bool:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
