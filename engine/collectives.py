@@ -136,6 +136,7 @@ class CompressedGrads:
         # whether the gradient the last reduce() took held a NaN/Inf (0-d float64 on its device),
         # found on the way through it: the round's small all-reduce carries it
         self.input_nonfinite: torch.Tensor | None = None
+        self._weight: torch.Tensor | None = None
 
     def encode(self, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scales) of this worker's compensated mean gradient; the error state moves on.
@@ -167,7 +168,10 @@ class CompressedGrads:
             sends.append(comm.buffer(("grads.send", k), shape, torch.uint8, dev))
             recvs.append(comm.buffer(("grads.recv", k), shape, torch.uint8, dev))
         p0, s0 = segs[0][2], segs[0][3]
-        weight = torch.tensor([float(count)], dtype=torch.float32, device=dev).view(torch.uint8)
+        # the sender's count as 4 bytes: a kept device buffer filled in place (no host-to-device copy)
+        if self._weight is None or self._weight.device != torch.device(dev):
+            self._weight = torch.zeros(1, dtype=torch.float32, device=dev)
+        weight = self._weight.fill_(float(count)).view(torch.uint8)
         sends[0][:, p0 + s0:].copy_(weight.view(1, 4).expand(n, 4))
         out = self._outputs.next(shard, dev)
         if fused:

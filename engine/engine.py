@@ -273,6 +273,8 @@ class Engine(LocalStepsLoop):
         """Restore what ``state_dict`` returned (same model, config and world size)."""
         flat, dev = self.flat, self.device
         tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
+        # the comm side keeps some of these (a resumed ACCO kept half) and frees them there
+        self.worker.adopt(tensors.values())
         if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
             raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
                              f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
