@@ -38,14 +38,20 @@ class TwoLevelGrads:
         self.feedback = getattr(inner, "feedback", None)
         self._count = None
 
+    def node_sum(self, full: torch.Tensor) -> torch.Tensor:
+        """The node's fp32 sum of this rank's slice (M chunks of S values, in node order): the
+        node's all-to-all, row j = local rank j's slice, summed in rank order."""
+        m, g = self.layout.nodes, self.layout.ranks_per_node
+        shard, dev = full.numel() // (m * g), full.device
+        rows = self.node.buffer(("two_level.rows",), (g, m * shard), full.dtype, dev)
+        rows.view(g, m, shard).copy_(full.view(m, g, shard).transpose(0, 1))
+        out = self.node.buffer(("two_level.node_sum",), (m * shard,), torch.float32, dev)
+        return self.node.reduce_scatter_sum(rows.view(-1), out)
+
     def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
         m, g = self.layout.nodes, self.layout.ranks_per_node
         shard, dev = full.numel() // (m * g), full.device
-        # rows for the node's all-to-all: row j = local rank j's slice, its M chunks in node order
-        rows = self.node.buffer(("two_level.rows",), (g, m * shard), full.dtype, dev)
-        rows.view(g, m, shard).copy_(full.view(m, g, shard).transpose(0, 1))
-        node_sum = self.node.buffer(("two_level.node_sum",), (m * shard,), torch.float32, dev)
-        self.node.reduce_scatter_sum(rows.view(-1), node_sum)
+        node_sum = self.node_sum(full)
         if self._count is None or self._count.device != dev:
             self._count = torch.zeros(1, dtype=torch.float64, device=dev)
         self._count.fill_(float(count))
@@ -97,7 +103,6 @@ class TwoLevelParams:
         return the (global) ranks whose new shard was not finite, ``held`` untouched on every
         replica: the node agrees on the union of its rails' findings first."""
         m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
-        shard = held.numel() // (m * g)
         bad_rail = self.inner.finish(self.rail, self._slice)
         flags = self.node.buffer(("two_level.flags",), (m * g,), torch.float64, held.device)
         flags.zero_()
@@ -106,7 +111,23 @@ class TwoLevelParams:
         bad = [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
         if bad:
             return bad
-        gathered = self.node.buffer(("two_level.gathered",), (g * m * shard,), held.dtype, held.device)
-        self.node.all_gather(self._slice, gathered)
-        held.view(m, g, shard).copy_(gathered.view(g, m, shard).transpose(0, 1))
+        gather_slices(self.node, self._slice, held, self.layout)
         return []
+
+
+def slice_of(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's slice of a whole buffer (chunks node x G + local, in node order), a copy."""
+    m, g = layout.nodes, layout.ranks_per_node
+    return full.view(m, g, full.numel() // (m * g))[:, layout.local, :].contiguous().view(-1)
+
+
+def gather_slices(node: Comm, part: torch.Tensor, out: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Every local rank's slice (in ``out``'s dtype) into its place in the whole buffer ``out``."""
+    m, g = layout.nodes, layout.ranks_per_node
+    shard = out.numel() // (m * g)
+    send = part if part.dtype == out.dtype else node.buffer(("two_level.cast",), part.shape, out.dtype,
+                                                            out.device).copy_(part)
+    got = node.buffer(("two_level.gathered",), (g * m * shard,), out.dtype, out.device)
+    node.all_gather(send, got)
+    out.view(m, g, shard).copy_(got.view(g, m, shard).transpose(0, 1))
+    return out

@@ -41,7 +41,13 @@ from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
+from ..two_level import TwoLevelGrads, gather_slices, slice_of
 from .sharded import ShardedStrategy, agree
+
+
+def _nodes_of(ctx: RoundContext) -> TwoLevelGrads | None:
+    """The two-level reducer (its node and rail groups and the layout), or None when flat."""
+    return ctx.grads if isinstance(ctx.grads, TwoLevelGrads) else None
 
 
 @dataclass
@@ -65,7 +71,9 @@ class CompressedState:
 
 
 class OnebitAdam(ShardedStrategy):
-    two_level = False  # its 1-bit exchange runs on the flat group (docs/DESIGN.md section 11)
+    # two-level: a node is one 1-bit Adam worker; each rank keeps its slice of the state and its
+    # rail carries the 1-bit rows (docs/DESIGN.md section 11.5)
+    two_level = True
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
 
     def __init__(self, cfg) -> None:
@@ -123,8 +131,10 @@ class OnebitAdam(ShardedStrategy):
         def whole(part: torch.Tensor) -> torch.Tensor:
             return comm.all_gather(part, torch.empty(padded, dtype=torch.float32, device=dev))
 
-        momentum, variance = whole(shard.exp_avg), whole(shard.exp_avg_sq)
-        master = None if self._params_are_master(ctx) else whole(shard.master)
+        nodes = _nodes_of(ctx)  # two-level: this rank keeps its slice of every whole tensor
+        keep = (lambda t: t) if nodes is None else (lambda t: slice_of(t, nodes.layout))
+        momentum, variance = keep(whole(shard.exp_avg)), keep(whole(shard.exp_avg_sq))
+        master = None if self._params_are_master(ctx) else keep(whole(shard.master))
         self.state = CompressedState(momentum, variance, onebit.unused_mask(variance), torch.zeros_like(momentum),
                                      torch.zeros_like(shard.exp_avg), master, shard.step)
         self.norms = []
@@ -137,20 +147,29 @@ class OnebitAdam(ShardedStrategy):
     def _bind_shard(self, ctx: RoundContext, step: int) -> None:
         """The engine's shard state becomes views of the whole tensors (no second copy; its
         spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
-        st, lo, hi = self.state, ctx.comm.rank * ctx.flat.shard_size, (ctx.comm.rank + 1) * ctx.flat.shard_size
-        master = st.master if st.master is not None else ctx.gather_buf
-        ctx.shard_state = ShardState(master=master[lo:hi], exp_avg=st.momentum[lo:hi],
-                                     exp_avg_sq=st.variance[lo:hi], step=step)
+        st, size, nodes = self.state, ctx.flat.shard_size, _nodes_of(ctx)
+        lo = ctx.comm.rank * size  # in a whole tensor; in a slice, the shard is the node's chunk
+        at = lo if nodes is None else nodes.layout.node * size
+        master = st.master[at:at + size] if st.master is not None else ctx.gather_buf[lo:lo + size]
+        ctx.shard_state = ShardState(master=master, exp_avg=st.momentum[at:at + size],
+                                     exp_avg_sq=st.variance[at:at + size], step=step)
 
     # ------------------------------------------------------------------ compressed stage
     def _compressed_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
-        comm, cfg, n = ctx.comm, ctx.cfg, ctx.comm.world_size
+        comm, cfg, nodes = ctx.comm, ctx.cfg, _nodes_of(ctx)
         full = ctx.flat.grads[req.grad_index]
         before, phases, t = comm.bytes_sent, {}, time.perf_counter()
-        if self._buf is None or self._buf.numel() != full.numel():
-            self._buf = torch.empty(full.numel(), dtype=torch.float32, device=full.device)
+        # the workers of 1-bit Adam: the ranks (flat), or the nodes, each rank its slice (two-level)
+        n = comm.world_size if nodes is None else nodes.layout.nodes
+        numel = full.numel() if nodes is None else full.numel() // nodes.layout.ranks_per_node
+        if self._buf is None or self._buf.numel() != numel:
+            self._buf = torch.empty(numel, dtype=torch.float32, device=full.device)
             self._new_master = torch.empty_like(self._buf)
-        grad = full if full.dtype == torch.float32 else self._buf.copy_(full)
+        if nodes is not None:
+            grad = self._buf.copy_(nodes.node_sum(full))  # the node's sum of this rank's slice
+        else:
+            grad = full if full.dtype == torch.float32 else self._buf.copy_(full)
+        # two-level: the squared norms of the slices add up to the nodes' sum_w |x_w|^2
         totals = agree(ctx, req, grad, nonfinite_flag(full), None)
         lr = lr_at(req.step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         # sum_w |x_w| <= sqrt(N sum_w |x_w|^2) bounds |sum_w x_w|: the clipping norm (section 9)
@@ -175,9 +194,10 @@ class OnebitAdam(ShardedStrategy):
     def _step(self, ctx: RoundContext, lr: float, phases: dict) -> bool:
         """Exchange the compressed momentum (u_w in self._buf) and step; False when the new
         parameters are not finite (then nothing was installed)."""
-        comm, st, codec, spec = ctx.comm, self.state, self.codec, ctx.spec
+        st, codec, spec, nodes = self.state, self.codec, ctx.spec, _nodes_of(ctx)
+        comm = ctx.comm if nodes is None else nodes.rail  # two-level: the 1-bit rows go over the rail
         n, size = comm.world_size, ctx.flat.shard_size
-        lo, hi = comm.rank * size, (comm.rank + 1) * size
+        lo, hi = comm.rank * size, (comm.rank + 1) * size  # this rank's shard in what it keeps
         t = time.perf_counter()
         h = onebit.worker_message(st.momentum, self._buf, st.worker_error, spec.betas[0])
         payload, scales, worker_error = onebit.compress_with_error(h, codec, st.mask)
@@ -194,16 +214,25 @@ class OnebitAdam(ShardedStrategy):
 
         t = time.perf_counter()
         step = ctx.shard_state.step + 1
-        master = st.master if st.master is not None else ctx.gather_buf
+        if st.master is not None:
+            master = st.master
+        else:
+            master = ctx.gather_buf if nodes is None else slice_of(ctx.gather_buf, nodes.layout)
         denominator = onebit.frozen_denominator(st.variance, st.frozen_step, spec)
         new = onebit.apply_update(master, momentum, denominator, st.mask, lr, step, spec, out=self._new_master)
-        finite = not bool(to_host(nonfinite_flag(new)))  # the same bytes on every replica: the same verdict
+        bad = nonfinite_flag(new)
+        if nodes is not None:  # the node's ranks decide alike on the whole update
+            bad = nodes.node.all_reduce_sum(bad.reshape(1))[0]
+        finite = not bool(to_host(bad))  # the same bytes on every replica: the same verdict
         if finite:
             st.momentum, self._buf = momentum, st.momentum  # the old momentum is the next round's buffer
             st.worker_error, st.server_error = worker_error, server_error
             if st.master is not None:
                 st.master, self._new_master = new, st.master
-            ctx.gather_buf.copy_(new)  # the compute dtype: the parameters every replica holds
+            if nodes is None:
+                ctx.gather_buf.copy_(new)  # the compute dtype: the parameters every replica holds
+            else:  # every slice of the node, in the compute dtype, into the parameters every replica holds
+                gather_slices(nodes.node, new, ctx.gather_buf, nodes.layout)
             self._bind_shard(ctx, step)
         elif ctx.cfg.nan_policy == "stop":
             raise NonFiniteGradientError(

@@ -189,11 +189,36 @@ def test_bytes_per_link_class_equal_the_formula_and_halve_the_node_link():
     assert two[0][0][-1][2] <= 0.55 * flat[0][0][-1][2]
 
 
+def _onebit_run(rank: int, world: int, topology: str, micro_batches: int, merged_from: int):
+    """1-bit Adam (3 AdamW warmup steps, then 1-bit momentum); a flat run reads as _codec_run."""
+    model = wide_model()
+    cfg = EngineConfig(strategy="onebit_adam", lr=3e-3, micro_batches=micro_batches, accumulation="fixed",
+                       max_steps=8, topology=topology, onebit_warmup_steps=3)
+    engine = Engine(model, cfg, mse_loss)
+    k = micro_batches // merged_from
+    streams = [worker_stream(rank * merged_from + j, 200) for j in range(merged_from)]
+    history = engine.fit(iter([b for r in range(60) for s in streams for b in s[r * k:(r + 1) * k]]))
+    engine.close()
+    return flat_params(model), [h["loss"] for h in history], engine.topology
+
+
+def test_onebit_adam_two_level_is_a_node_per_worker():
+    """A node is one 1-bit Adam worker: two-level at 2 x 2 equals a flat run of 2 workers that
+    run their node's micro-batches (the same sign bits; float32 summation order apart)."""
+    two = spawn(_onebit_run, 4, "two_level", K, 1, env=_env(2))
+    flat = spawn(_onebit_run, 2, "flat", 2 * K, 2)
+    assert two[0][2] == "two_level"
+    for r in range(1, 4):
+        assert torch.equal(two[r][0], two[0][0]), r
+    assert rel_err(two[0][0], flat[0][0]) < 1e-6
+    assert two[0][1][-1] < two[0][1][0]
+
+
 # ---------------------------------------------------------------- resume, errors
-def _resume(rank: int, world: int, directory: str):
+def _resume(rank: int, world: int, directory: str, kw: dict):
     def cfg(steps):
-        return EngineConfig(strategy="acco", codec="loco4", param_codec="int8", lr=3e-3, micro_batches=1,
-                            accumulation="fixed", max_steps=steps, topology="two_level", reset_period=3)
+        return EngineConfig(lr=3e-3, micro_batches=1, accumulation="fixed", max_steps=steps, topology="two_level",
+                            **kw)
 
     stream = worker_stream(rank, 100)
     straight = Engine(wide_model(), cfg(8), mse_loss)
@@ -210,8 +235,12 @@ def _resume(rank: int, world: int, directory: str):
     return torch.equal(flat_params(model), flat_params(straight.model))
 
 
-def test_resume_is_bit_exact_under_two_level(tmp_path):
-    assert all(spawn(_resume, 4, str(tmp_path / "ckpt"), env=_env(2)))
+@pytest.mark.parametrize("kw", [
+    {"strategy": "acco", "codec": "loco4", "param_codec": "int8", "reset_period": 3},
+    {"strategy": "onebit_adam", "onebit_warmup_steps": 2, "param_codec": "bfloat16"},  # resumed in its 1-bit phase
+])
+def test_resume_is_bit_exact_under_two_level(tmp_path, kw):
+    assert all(spawn(_resume, 4, str(tmp_path / "ckpt"), kw, env=_env(2)))
 
 
 def _build(rank: int, world: int, kw: dict, per_rank: dict | None = None):
