@@ -97,34 +97,31 @@ def _groups(nodes: int, per_node: int):
     return rail, node
 
 
-def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> float:
-    send = torch.zeros(payload // size * size, dtype=torch.uint8, device=device)
-    recv = torch.empty_like(send)
-    times = []
-    for i in range(repeats + 1):  # the first one warms the connections up
-        dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return _slowest(statistics.median(times), device)
-
-
-def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> float:
-    piece = torch.zeros(payload // size, dtype=torch.uint8, device=device)
-    out = torch.empty(piece.numel() * size, dtype=torch.uint8, device=device)
+def _timed(run: Callable[[], None], group, device, repeats: int) -> float:
+    """Median seconds of ``run`` (a collective of ``group``) over ``repeats``, after one that
+    warms the connections up; the slowest rank's figure."""
     times = []
     for i in range(repeats + 1):
         dist.barrier(group=group)
         _sync(device)
         t0 = time.perf_counter()
-        dist.all_gather_into_tensor(out, piece, group=group)
+        run()
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
     return _slowest(statistics.median(times), device)
+
+
+def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> float:
+    send = torch.zeros(payload // size * size, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    return _timed(lambda: dist.all_to_all_single(recv, send, group=group), group, device, repeats)
+
+
+def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> float:
+    piece = torch.zeros(payload // size, dtype=torch.uint8, device=device)
+    out = torch.empty(piece.numel() * size, dtype=torch.uint8, device=device)
+    return _timed(lambda: dist.all_gather_into_tensor(out, piece, group=group), group, device, repeats)
 
 
 def time_compute(step: Callable[[], None], samples: int, device, repeats: int = 3) -> float:
