@@ -39,6 +39,7 @@ from .flat import FlatParams
 from .clock import make_clock
 from .local_loop import LocalStepsLoop
 from .loss import LossFn, batch_size, default_loss
+from .agreement import check_same_training
 from .auto import resolve as resolve_auto
 from .placement import Placement
 from .batching import Accumulation
@@ -81,6 +82,7 @@ class Engine(LocalStepsLoop):
             keep_freed_memory()  # before the process group and the comm thread start
         rank, world = init_process_group(device, cfg.timeout_s)
         self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
+        check_same_training(model, cfg, rank, world, device)  # before any collective of a given size
         self.comm = Comm(rank, world, cfg.comm_chunks,
                          peer_nodes=[self.layout.node_of(r) for r in range(world)])
         self.device = device
