@@ -105,3 +105,59 @@ def test_find_cycle_names_the_circle():
 def test_no_import_circles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# ------------------------------------------------------------------------------------------------
+# strategy names are compared only inside engine/strategies/
+# ------------------------------------------------------------------------------------------------
+
+def _strategy_names() -> set[str]:
+    from engine.strategies import STRATEGIES
+
+    return set(STRATEGIES)
+
+
+def _named_in(node: ast.AST, names: set[str]) -> str | None:
+    """The strategy name a comparison operand is or holds (a literal, or a tuple/list/set of them)."""
+    if isinstance(node, ast.Constant) and node.value in names:
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return next((e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names), None)
+    return None
+
+
+def strategy_comparisons(paths, names: set[str]) -> list[str]:
+    """'file:line name' for every ==, !=, in, not in (also match-case) against a strategy name."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            operands = []
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, ast.MatchValue):
+                operands = [node.value]
+            for op in operands:
+                name = _named_in(op, names)
+                if name is not None:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    return found
+
+
+def test_no_strategy_name_compared_outside_the_strategies():
+    names = _strategy_names()
+    outside = [p for pkg in (*PACKAGES, "recipes") for p in sorted((ROOT / pkg).rglob("*.py"))
+               if (ROOT / "engine" / "strategies") not in p.parents]
+    found = strategy_comparisons(outside, names)
+    assert not found, ("strategy names compared outside engine/strategies/ (let the strategy class "
+                       "declare what it needs instead): " + ", ".join(found))
+
+
+def test_the_name_check_sees_a_comparison(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(cfg):\n    return cfg.strategy == 'onebit_adam' or cfg.strategy in ('diloco',)\n")
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        assert strategy_comparisons([probe], _strategy_names()) == ["probe.py:2 onebit_adam", "probe.py:2 diloco"]
+    finally:
+        ROOT = old
