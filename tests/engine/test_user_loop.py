@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, StepResult
+from engine import Engine, EngineConfig, GlobalBatches, StepResult
 from engine.local_group import spawn
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
@@ -35,17 +35,22 @@ def user_loop(engine: Engine, batches) -> list[StepResult]:
     return results
 
 
-def run(rank: int, world: int, kw: dict, batches_per_rank: list[int]) -> dict:
+def run(rank: int, world: int, kw: dict, batches_per_rank: list[int] | None) -> dict:
+    """fit, then the user's loop; ``batches_per_rank`` None: one GlobalBatches stream dealt out."""
     out = {}
     for how in ("fit", "feed"):
-        cfg = EngineConfig(micro_batches=K, accumulation="fixed", max_steps=STEPS, lr=1e-2, align=8, **kw)
+        cfg = EngineConfig(**{"micro_batches": K, "accumulation": "fixed", "max_steps": STEPS, "lr": 1e-2,
+                              "align": 8, **kw})
         engine = Engine(tiny_model(0), cfg, mse_loss)
-        data = worker_stream(rank, batches_per_rank[rank])
+        if batches_per_rank is None:
+            data = GlobalBatches(worker_stream(0, 4 * K * (STEPS + 2)))
+        else:
+            data = worker_stream(rank, batches_per_rank[rank])
         if how == "fit":
             history = engine.fit(data)
             results = None
         else:
-            results = user_loop(engine, data)
+            results = user_loop(engine, engine.deal(data))
             history = list(engine.history)
         out[how] = {"params": flat_params(engine.model), "history": history, "results": results,
                     "consumed": engine.consumed, "done": engine.done}
@@ -83,6 +88,17 @@ def test_user_loop_matches_fit_when_one_workers_data_runs_out(mode):
         _same_runs(res)
         assert len(res["fit"]["history"]) < STEPS  # both ranks stopped early, at the same step
     assert results[0]["fit"]["history"][-1]["step"] == results[1]["fit"]["history"][-1]["step"]
+
+
+def test_user_loop_deals_a_global_stream_like_fit():
+    # equal shares (speed shares follow measured times, so two runs may split a round differently)
+    kw = {"strategy": "acco", "micro_batches": 1, "global_micro_batches": 6, "balance": "equal"}
+    results = spawn(run, 2, kw, None)
+    for res in results:
+        _same_runs(res)
+        assert len(res["fit"]["history"]) == STEPS
+        assert all(h["global_micro_batches"] == 6 for h in res["feed"]["history"])
+    assert [res["feed"]["consumed"] for res in results] == [res["fit"]["consumed"] for res in results]
 
 
 def test_feed_after_the_horizon_says_what_to_do():
