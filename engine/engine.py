@@ -277,8 +277,10 @@ class Engine(LocalStepsLoop):
         if self.step >= self.cfg.max_steps:
             return (f"the engine is at step {self.step}, its max_steps: nothing more to train (load it with "
                     f"a new horizon to continue: Engine.load(directory, model, max_steps=...))")
-        return (f"training stopped at step {self.step}: the data of some worker ran out; feed() again "
-                f"on every rank to continue with more data")
+        if self.step >= self._stop_at:
+            return f"this loop's steps are done at step {self.step}: begin(steps) starts another piece"
+        return (f"training stopped at step {self.step}: the data of some worker ran out; begin() and "
+                f"feed() again on every rank to continue with more data")
 
     @contextmanager
     def _aborting_on_error(self):
