@@ -8,8 +8,8 @@ A codec turns a flat 1-D fp32 tensor ``x`` whose length is a multiple of ``group
 and back.  Groups are contiguous blocks of ``group_size`` values of the flat buffer.  One file
 per family holds its math: ``int_codec.py`` (symmetric integers ``int8``, ``int4``, ``int2``)
 and ``sign_codec.py`` (1-bit ``sign1``, sign x group RMS).  This file holds the :class:`Codec`
-base they extend (configuration, argument checks, sizes, scaling codes back to fp32) and
-:func:`make_codec`, which picks the family by name.
+base they extend (configuration, argument checks, sizes, scaling codes back to fp32); names,
+widths and families meet in one table, acco_loco/registry.py, whose ``make_codec`` builds one.
 
 Wire format (little-endian within a byte, element order preserved):
 
@@ -49,19 +49,14 @@ from torch import Tensor
 from .bitpack import pack_bits, pad_to_multiple, unpack_bits
 
 __all__ = [
-    "CODEC_BITS",
     "Codec",
-    "make_codec",
     "pack_bits",
     "unpack_bits",
     "pad_to_multiple",
 ]
 
 
-#: codec name -> bits per value
-CODEC_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "sign1": 1}
-
-_SCALE_DTYPES: dict[str, torch.dtype] = {
+SCALE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "bf16": torch.bfloat16,
@@ -119,11 +114,11 @@ def _scale_codes(q: Tensor, scales: Tensor, out: Tensor | None, accumulate: bool
 
 @dataclass(frozen=True)
 class Codec:
-    """One quantizer configuration.  Build with :func:`make_codec`.
+    """One quantizer configuration.  Build with ``make_codec`` (acco_loco/registry.py).
 
     ``encode(x) -> (payload, scales)`` and ``decode(payload, scales) -> fp32``; see the module
     docstring for the wire format and the family files for the math.  A family subclass names
-    the codecs it implements in ``names`` and fills in :meth:`_encode_groups` (quantize the
+    the bit widths its math packs in ``widths`` and fills in :meth:`_encode_groups` (quantize the
     grouped values) and :meth:`_codes` (the payload's codes as signed integers); the checks,
     sizes and the final multiply by the scales are shared.
     """
@@ -133,19 +128,19 @@ class Codec:
     group_size: int = 128
     scale_dtype: torch.dtype = torch.float32
 
-    names: ClassVar[tuple[str, ...]] = tuple(CODEC_BITS)
+    widths: ClassVar[tuple[int, ...]] = ()  # bits per value the family's math packs (none: no family)
 
     def __post_init__(self) -> None:
-        if self.name not in CODEC_BITS:
-            raise ValueError(f"unknown codec {self.name!r}; valid codecs: {', '.join(CODEC_BITS)}")
-        if self.bits != CODEC_BITS[self.name]:
-            raise ValueError(f"codec {self.name!r} has {CODEC_BITS[self.name]} bits, not {self.bits}")
+        if not self.widths:
+            raise ValueError(f"{type(self).__name__} is no codec family: build codecs with make_codec "
+                             "(acco_loco/registry.py)")
+        if self.bits not in self.widths:
+            raise ValueError(f"{type(self).__name__} {self.name!r}: {self.bits} bits; the family packs "
+                             f"{', '.join(map(str, self.widths))} bits a value")
         if not isinstance(self.group_size, int) or self.group_size < 8 or self.group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8 (got {self.group_size!r})")
         if self.scale_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16 (got {self.scale_dtype})")
-        if self.name not in self.names:
-            raise ValueError(f"{type(self).__name__} implements {', '.join(self.names)}, not {self.name!r}")
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -259,27 +254,3 @@ class Codec:
                 )
         elif accumulate:
             raise ValueError(f"{self.name}.decode: accumulate=True needs an out tensor")
-
-
-def _family(name: str) -> type[Codec]:
-    """The class that implements codec ``name``."""
-    # imported here, not at the top: the family files import this one for Codec and the helpers
-    from .int_codec import IntCodec
-    from .sign_codec import SignCodec
-
-    return next(family for family in (IntCodec, SignCodec) if name in family.names)
-
-
-def make_codec(name: str, group_size: int = 128, scale_dtype: torch.dtype | str = torch.float32) -> Codec:
-    """Build a :class:`Codec` by name (``int8``, ``int4``, ``int2``, ``sign1``).
-
-    ``scale_dtype`` is ``torch.float32``/``torch.bfloat16`` or one of the strings
-    ``"fp32"``, ``"float32"``, ``"bf16"``, ``"bfloat16"``.
-    """
-    if name not in CODEC_BITS:
-        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_BITS)}")
-    if isinstance(scale_dtype, str):
-        if scale_dtype not in _SCALE_DTYPES:
-            raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid: {', '.join(_SCALE_DTYPES)}")
-        scale_dtype = _SCALE_DTYPES[scale_dtype]
-    return _family(name)(name=name, bits=CODEC_BITS[name], group_size=group_size, scale_dtype=scale_dtype)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .codecs import Codec, make_codec
+from .codecs import Codec
+from .int_codec import IntCodec
 
 __all__ = ["FEEDBACK_KINDS", "ERROR_STORAGES", "ErrorFeedback", "compress"]
 
@@ -100,7 +101,7 @@ class ErrorFeedback:
         if storage == "fp32":
             self._e = torch.zeros(numel, dtype=torch.float32, device=self.device)
         else:
-            self._codec = make_codec("int8", group_size=group_size, scale_dtype=torch.float32)
+            self._codec = IntCodec(name="int8", bits=8, group_size=group_size, scale_dtype=torch.float32)
             groups = self._codec.payload_bytes(numel) // group_size  # validates numel % group_size
             self._codes = torch.full((numel,), 128, dtype=torch.uint8, device=self.device)  # q = 0
             self._scales = torch.zeros(groups, dtype=torch.float32, device=self.device)

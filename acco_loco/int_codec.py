@@ -31,7 +31,7 @@ from .codecs import _FP32_TINY, Codec, _ceil_to_bf16, _nonfinite_error
 class IntCodec(Codec):
     """Group-wise symmetric integer quantizer (``int8``, ``int4``, ``int2``)."""
 
-    names: ClassVar[tuple[str, ...]] = ("int8", "int4", "int2")
+    widths: ClassVar[tuple[int, ...]] = (8, 4, 2)
 
     @property
     def qmax(self) -> int:

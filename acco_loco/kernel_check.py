@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels as K
 from .adamw import propose as torch_adamw
-from .codecs import Codec, make_codec
+from .codecs import Codec
+from .registry import make_codec
 from .feedback import ErrorFeedback, compress
-from .optim import OptimizerSpec
+from .optimizers import OptimizerSpec
 from .shard_state import ShardState
 
 
-def self_check() -> list[str]:
-    """The names of the kernels that differ from torch (empty: all agree)."""
+def self_check(K) -> list[str]:
+    """The names of the kernels that differ from torch (empty: all agree). ``K`` is the loaded
+    kernels module (acco_loco/kernels.py passes itself: this file does not import it, so that the
+    kernels, which run this check, and the check are no import circle)."""
     problems: list[str] = []
     gen = torch.Generator().manual_seed(1234)
     for group in (8, 128):
         n = 32 * group
         for bits in (8, 4, 2):
             codec = make_codec(f"int{bits}", group_size=group)
-            problems += _check_encode_with_feedback(codec, n, gen)
-            problems += _check_encode_plain(codec, n, gen)
-            problems += _check_decode_sum(codec, n, gen)
+            problems += _check_encode_with_feedback(K, codec, n, gen)
+            problems += _check_encode_plain(K, codec, n, gen)
+            problems += _check_decode_sum(K, codec, n, gen)
             if bits in (8, 4):
-                problems += _check_delta(codec, n, gen)
-    problems += _check_adamw(gen)
+                problems += _check_delta(K, codec, n, gen)
+    problems += _check_adamw(K, gen)
     return problems
 
 
@@ -36,7 +38,7 @@ def _sizes(codec: Codec, n: int) -> tuple[int, int]:
     return n * codec.bits // 8, n // codec.group_size
 
 
-def _check_encode_with_feedback(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
+def _check_encode_with_feedback(K, codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     """LoCo and classic error feedback over three rounds, in two rows of half the values."""
     bits, group = codec.bits, codec.group_size
     pb, sb = _sizes(codec, n)
@@ -58,7 +60,7 @@ def _check_encode_with_feedback(codec: Codec, n: int, gen: torch.Generator) -> l
     return []
 
 
-def _check_encode_plain(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
+def _check_encode_plain(K, codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     """No feedback: the NaN flag with the same scales, then the codes of finite values."""
     bits, group = codec.bits, codec.group_size
     pb, sb = _sizes(codec, n)
@@ -77,7 +79,7 @@ def _check_encode_plain(codec: Codec, n: int, gen: torch.Generator) -> list[str]
     return []
 
 
-def _check_decode_sum(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
+def _check_decode_sum(K, codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     """The owner's weighted sum of three rows (payload, scales, fp32 weight each)."""
     bits, group = codec.bits, codec.group_size
     pb, sb = _sizes(codec, n)
@@ -95,7 +97,7 @@ def _check_decode_sum(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     return [] if torch.equal(got, want) else [f"decode_sum int{bits} group {group}"]
 
 
-def _check_delta(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
+def _check_delta(K, codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     """The parameter delta against what every replica holds, and its install."""
     bits, group = codec.bits, codec.group_size
     pb, sb = _sizes(codec, n)
@@ -112,7 +114,7 @@ def _check_delta(codec: Codec, n: int, gen: torch.Generator) -> list[str]:
     return [] if torch.equal(got_h, want_h) else [f"decode_add int{bits} group {group}"]
 
 
-def _check_adamw(gen: torch.Generator) -> list[str]:
+def _check_adamw(K, gen: torch.Generator) -> list[str]:
     """AdamW's moments and parameters from a gradient sum, with and without clipping."""
     n = 4096 + 8  # a tail past the last whole vector
     problems = []

@@ -150,7 +150,7 @@ def available() -> bool:
                         _lib = _build()
                         from .kernel_check import self_check
 
-                        problems = self_check()
+                        problems = self_check(sys.modules[__name__])
                         if problems:
                             raise RuntimeError("they disagree with torch: " + "; ".join(problems))
                         _state = "ready"

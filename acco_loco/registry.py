@@ -1,24 +1,36 @@
-"""Config names -> the math they stand for: gradient codecs (error feedback + wire codec) and
-parameter codecs. A new codec is a file with its class plus a line in one of these tables."""
+"""Config names -> the math they stand for: wire codecs (name, bits a value, the family class
+that implements it), the gradient codecs over them (error feedback + wire codec), parameter
+codecs and pseudo-gradient codecs. The one table of codec names: a new codec is a file with its
+class plus a line here (or a :func:`register_wire_codec` call, as tests/toy_codec.py does)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
-from .codecs import Codec, make_codec
+import torch
+
+from .codecs import SCALE_DTYPES, Codec
 from .fp16_codec import Fp16Codec
+from .int_codec import IntCodec
+from .sign_codec import SignCodec
 from .topk_codec import TopKCodec
 
-# wire codec name -> factory(group_size, scale_dtype)
-WIRE_CODECS: dict[str, Callable[[int, str], Codec]] = {
-    "int8": partial(make_codec, "int8"),
-    "int4": partial(make_codec, "int4"),
-    "int2": partial(make_codec, "int2"),
-    "sign1": partial(make_codec, "sign1"),
-    "fp16": lambda group_size, scale_dtype: Fp16Codec(),
-}
+
+@dataclass(frozen=True)
+class WireCodec:
+    """A wire codec by name: ``WIRE_CODECS[name](group_size, scale_dtype)`` builds one."""
+
+    name: str
+    bits: int  # per value on the wire, scales not counted
+    family: Callable[..., Codec]  # (name=, bits=, group_size=, scale_dtype=) -> codec
+
+    def __call__(self, group_size: int = 128, scale_dtype: torch.dtype | str = torch.float32) -> Codec:
+        if isinstance(scale_dtype, str):
+            if scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid: {', '.join(SCALE_DTYPES)}")
+            scale_dtype = SCALE_DTYPES[scale_dtype]
+        return self.family(name=self.name, bits=self.bits, group_size=group_size, scale_dtype=scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -30,20 +42,48 @@ class GradCodecSpec:
         return WIRE_CODECS[self.wire](group_size, scale_dtype)
 
 
-def _grad_codecs() -> dict[str, GradCodecSpec | None]:
-    table: dict[str, GradCodecSpec | None] = {"none": None}
-    for bits in (8, 4, 2):
-        table[f"int{bits}"] = GradCodecSpec("none", f"int{bits}")
-    table["sign1"] = GradCodecSpec("none", "sign1")
-    for feedback in ("ef", "loco"):
-        for bits in (8, 4, 2):
-            table[f"{feedback}{bits}"] = GradCodecSpec(feedback, f"int{bits}")
-        table[f"{feedback}1"] = GradCodecSpec(feedback, "sign1")
-    table["fp16"] = GradCodecSpec("none", "fp16")  # a plain half-precision cast
-    return table
+WIRE_CODECS: dict[str, WireCodec] = {}
+GRAD_CODECS: dict[str, GradCodecSpec | None] = {"none": None}
 
 
-GRAD_CODECS: dict[str, GradCodecSpec | None] = _grad_codecs()
+def register_wire_codec(name: str, bits: int, family: Callable[..., Codec], feedback_suffix: str | None = None) -> None:
+    """Add wire codec ``name``: gradient codec ``name`` sends it plain; with ``feedback_suffix``
+    ``s``, ``ef<s>`` and ``loco<s>`` send it under classic / LoCo error feedback."""
+    grad_names = [name] + ([f"ef{feedback_suffix}", f"loco{feedback_suffix}"] if feedback_suffix is not None else [])
+    taken = [n for n in grad_names if n in GRAD_CODECS] + ([name] if name in WIRE_CODECS else [])
+    if taken:
+        raise ValueError(f"codec name(s) {', '.join(taken)} already registered; pick another name")
+    WIRE_CODECS[name] = WireCodec(name, bits, family)
+    GRAD_CODECS[name] = GradCodecSpec("none", name)
+    if feedback_suffix is not None:
+        for feedback in ("ef", "loco"):
+            GRAD_CODECS[f"{feedback}{feedback_suffix}"] = GradCodecSpec(feedback, name)
+
+
+# name, bits a value, family; the suffix names its error-feedback variants (ef4, loco4, ...)
+register_wire_codec("int8", 8, IntCodec, feedback_suffix="8")
+register_wire_codec("int4", 4, IntCodec, feedback_suffix="4")
+register_wire_codec("int2", 2, IntCodec, feedback_suffix="2")
+register_wire_codec("sign1", 1, SignCodec, feedback_suffix="1")  # sign x group RMS
+register_wire_codec("fp16", 16, lambda **_: Fp16Codec())  # a plain half-precision cast, no groups
+
+
+def codec_bits() -> dict[str, int]:
+    """Wire codec name -> bits per value."""
+    return {name: codec.bits for name, codec in WIRE_CODECS.items()}
+
+
+CODEC_BITS = codec_bits()  # the built-in codecs, for tools that list them (benchmarks/codec_bench.py)
+
+
+def make_codec(name: str, group_size: int = 128, scale_dtype: torch.dtype | str = torch.float32) -> Codec:
+    """Build a wire codec by name (``int8``, ``int4``, ``int2``, ``sign1``, ``fp16``, or one
+    registered later). ``scale_dtype`` is ``torch.float32``/``torch.bfloat16`` or one of the
+    strings ``"fp32"``, ``"float32"``, ``"bf16"``, ``"bfloat16"``."""
+    if name not in WIRE_CODECS:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(WIRE_CODECS)}")
+    return WIRE_CODECS[name](group_size, scale_dtype)
+
 
 # parameter all-gather: a cast (auto = the compute dtype) or low-bit deltas against every replica
 PARAM_CASTS = ("auto", "float32", "bfloat16")
@@ -61,4 +101,5 @@ def parse_grad_codec(name: str) -> GradCodecSpec | None:
         return GRAD_CODECS[name]
     raise ValueError(f"unknown codec {name!r}: 'none', or <kind><bits> with kind int (plain), ef "
                      "(classic error feedback) or loco (LoCo moving average) and bits 8, 4 or 2, "
-                     "or 1-bit 'sign1' / 'ef1' / 'loco1' (sign x RMS), or 'fp16' (a half-precision cast)")
+                     "or 1-bit 'sign1' / 'ef1' / 'loco1' (sign x RMS), or 'fp16' (a half-precision cast); "
+                     f"registered: {', '.join(GRAD_CODECS)}")

@@ -48,7 +48,7 @@ def _group_rms(xg: Tensor) -> Tensor:
 class SignCodec(Codec):
     """Group-wise sign x RMS quantizer (``sign1``); ignores the rounding generator."""
 
-    names: ClassVar[tuple[str, ...]] = ("sign1",)
+    widths: ClassVar[tuple[int, ...]] = (1,)
 
     def _encode_groups(self, xg: Tensor, generator: torch.Generator | None, check_finite: bool,
                        keep_decoded: bool) -> tuple[Tensor, ...]:

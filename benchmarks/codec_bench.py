@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from acco_loco.codecs import CODEC_BITS, make_codec  # noqa: E402
+from acco_loco.codecs import Codec  # noqa: E402
+from acco_loco.registry import CODEC_BITS, make_codec  # noqa: E402
 
 
 def _timeit(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
@@ -61,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", nargs="+", default=["20", "22", "24"], help="values per buffer (or log2 if < 64)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cpu, plus cuda when available")
-    ap.add_argument("--codecs", nargs="+", default=list(CODEC_BITS), choices=list(CODEC_BITS))
+    grouped = [name for name in CODEC_BITS if isinstance(make_codec(name), Codec)]  # the group-wise families
+    ap.add_argument("--codecs", nargs="+", default=grouped, choices=list(CODEC_BITS))
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--scale-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd encode/decode (no NaN check)")

@@ -3,8 +3,10 @@
 from .config import EngineConfig
 from .dealing import GlobalBatches
 from .engine import Engine
+from .loop import StepResult
 from .loss import default_loss
 from .rounds import NonFiniteGradientError
 from .watchdog import WorkerLostError
 
-__all__ = ["Engine", "EngineConfig", "GlobalBatches", "NonFiniteGradientError", "WorkerLostError", "default_loss"]
+__all__ = ["Engine", "EngineConfig", "GlobalBatches", "NonFiniteGradientError", "StepResult", "WorkerLostError",
+           "default_loss"]

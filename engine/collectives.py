@@ -38,6 +38,7 @@ from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, p
 
 from .comm import PIECE_ALIGN, Comm, chunk_bounds
 from .host import nonfinite_flag, nonfinite_rows_parts
+from .strategies import strategy_class
 
 
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -392,9 +393,9 @@ def codec_groups(cfg) -> list[int]:
     """The group sizes the configured codecs need every shard to be a multiple of."""
     spec = parse_grad_codec(cfg.codec)
     groups = [] if spec is None else [spec.make_wire(cfg.group_size, cfg.scale_dtype).group_size]
-    # onebit_adam sends its momentum in sign1 groups after the warmup (docs/DESIGN.md section 9)
-    own = cfg.param_codec in PARAM_DELTA_CODECS or cfg.strategy == "onebit_adam"
-    return groups + ([cfg.group_size] if own else [])
+    if cfg.param_codec in PARAM_DELTA_CODECS:
+        groups.append(cfg.group_size)
+    return groups + strategy_class(cfg.strategy).codec_groups(cfg)  # a strategy's own wire codecs
 
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):

@@ -2,6 +2,7 @@
 
     engine = Engine(model, EngineConfig(strategy="acco", lr=3e-4, micro_batches=2))
     history = engine.fit(batches)      # this worker's micro-batches
+    # or the user's own loop: result = engine.feed(batch) per micro-batch, engine.finish() at the end
     engine.save("ckpt")                # Engine.load("ckpt", model) resumes the same trajectory
 
 At a round boundary (after this worker's share of the round's micro-batches, engine/batching.py),
@@ -20,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -38,6 +40,7 @@ from .dealing import GlobalBatches, dealt_stream
 from .flat import FlatParams
 from .clock import make_clock
 from .local_loop import LocalStepsLoop
+from .loop import StepResult
 from .loss import LossFn, batch_size, default_loss
 from .agreement import check_same_training
 from .auto import resolve as resolve_auto
@@ -188,7 +191,80 @@ class Engine(LocalStepsLoop):
         (every rank must pass the same value); the learning-rate schedule keeps ``cfg.max_steps``
         as its horizon, so fitting in pieces follows the same trajectory as one call. Returns one
         dict per committed step of this call.
+
+        It is the user's loop of :meth:`feed` calls over ``batches`` and :meth:`finish` when they
+        run out, with a progress bar: a user who keeps their own loop gets the same trajectory.
         """
+        self.begin(steps)
+        first = len(self.history)
+        it = self.deal(batches)
+        bar = self._progress_bar()
+        try:
+            while not self.done:
+                with self._aborting_on_error():  # a failing data loader: the peers are told too
+                    batch = next(it, _END)  # pulled only while a micro-batch is due (dealing reads the round)
+                if batch is _END:
+                    self.finish()
+                    break
+                self.feed(batch)
+                if bar is not None and bar.n != self.step:
+                    bar.update(self.step - bar.n)
+                    h = self.history[-1]
+                    bar.set_postfix(loss=f"{h['loss']:.4f}", samples_s=f"{h['samples'] / max(h['time_s'], 1e-9):.1f}")
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history[first:]
+
+    # ------------------------------------------------------------------ the user's loop
+    _stopped = False  # the last boundary said stop (the data of some rank ran out, or the horizon)
+    _looping = False  # inside a loop of feed() calls: fit's, or the user's since the first feed
+
+    @property
+    def done(self) -> bool:
+        """True when :meth:`feed` takes no more batches: ``max_steps`` (or ``fit``'s ``steps``)
+        committed steps, or some worker's data ran out (every rank stops at the same step)."""
+        return self._stopped or self.step >= self._stop_at
+
+    def feed(self, batch: Any) -> StepResult | None:
+        """Run one micro-batch of this worker's; when it completes a round, hand the round to the
+        comm side. Returns the step this call committed (None while the step is still being
+        accumulated or on the wire: with ACCO's overlap a step commits during a later call). Every
+        rank calls it with its own micro-batches; at the end of the data call :meth:`finish`.
+        Should one call commit two steps (a round with no micro-batches of this worker's, under
+        speed shares), it returns the later; ``engine.history`` holds every one."""
+        if not self._looping:
+            self.begin(None)
+        if self.done:
+            raise RuntimeError(self._done_message())
+        first = len(self.history)
+        with self._aborting_on_error():
+            self._micro_batch(batch)
+            self._settle()
+        return StepResult.from_entry(self.history[-1]) if len(self.history) > first else None
+
+    def finish(self) -> list[StepResult]:
+        """This worker's data ran out: send what it accumulated and finish the rounds in flight,
+        until every rank has stopped (all ranks call it; the others' data may last longer, they
+        stop at the same step). Returns the steps committed meanwhile. Micro-batches a round did
+        not take stay pending for a later ``fit``/``feed``. After :attr:`done` it does nothing."""
+        if not self._looping:
+            if self.done:
+                return []
+            self.begin(None)
+        first = len(self.history)
+        with self._aborting_on_error():
+            while not self.done:
+                self._stopped = self._boundary(self._accumulate(iter(())))
+        self._looping = False
+        return [StepResult.from_entry(e) for e in self.history[first:]]
+
+    def begin(self, steps: int | None = None) -> None:
+        """Start a loop of :meth:`feed` calls that ends (:attr:`done`) after ``steps`` more
+        committed steps (every rank passes the same; default: at ``cfg.max_steps``), or when some
+        worker's data runs out; the first feed() starts one itself. Like ``fit(steps=...)``: a
+        run in pieces (an evaluation between them) follows the trajectory of one loop; each piece
+        restarts the clock of ``time_s``."""
         if self._closed:
             raise RuntimeError("this engine was closed: build a new one")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -199,28 +275,43 @@ class Engine(LocalStepsLoop):
                 f"train. To continue a saved run, load it with a new horizon: "
                 f"Engine.load(directory, model, loss_fn=..., max_steps={self.step + self.cfg.max_steps})")
         self._stop_at = self.cfg.max_steps if steps is None else min(self.cfg.max_steps, self.step + steps)
-        first = len(self.history)
-        it = self._dealt(batches) if isinstance(batches, GlobalBatches) else iter(batches)
+        self._stopped, self._looping = False, True
         self._clock = time.perf_counter()
-        bar = self._progress_bar()
+        with self._aborting_on_error():
+            self._settle()  # a round this worker has no micro-batches in goes out before its first
+
+    def _settle(self) -> None:
+        """End every round that may end now: the one the last micro-batch completed, then any
+        that follow with no micro-batches of this worker's (a share of 0)."""
+        while not self.done and self._round_may_end():
+            self._stopped = self._boundary(False)
+        if self.done:
+            self._looping = False  # the next feed() starts a new loop (and says why it cannot)
+
+    def _done_message(self) -> str:
+        if self.step >= self.cfg.max_steps:
+            return (f"the engine is at step {self.step}, its max_steps: nothing more to train (load it with "
+                    f"a new horizon to continue: Engine.load(directory, model, max_steps=...))")
+        if self.step >= self._stop_at:
+            return f"this loop's steps are done at step {self.step}: begin(steps) starts another piece"
+        return (f"training stopped at step {self.step}: the data of some worker ran out; begin() and "
+                f"feed() again on every rank to continue with more data")
+
+    @contextmanager
+    def _aborting_on_error(self):
+        """Any error in the loop: stop heartbeats and tell the peers why, then raise it."""
         try:
-            while self.step < self._stop_at:
-                exhausted = self._accumulate(it)
-                stop = self._boundary(exhausted)
-                if bar is not None:
-                    bar.update(self.step - bar.n)
-                    if self.history:
-                        h = self.history[-1]
-                        bar.set_postfix(loss=f"{h['loss']:.4f}", samples_s=f"{h['samples'] / max(h['time_s'], 1e-9):.1f}")
-                if stop:
-                    break
+            yield
         except BaseException as exc:
+            self._looping = False
             self._abort(EXIT_PEER if isinstance(exc, WorkerLostError) else EXIT_ERROR)
             raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return self.history[first:]
+
+    def deal(self, batches: Iterable[Any]):
+        """This worker's micro-batches of ``batches`` for a loop of :meth:`feed` calls: a
+        ``GlobalBatches`` stream dealt out by this worker's share of each round (as ``fit`` does;
+        pull each batch just before feeding it, the dealing reads the round), else ``batches``."""
+        return self._dealt(batches) if isinstance(batches, GlobalBatches) else iter(batches)
 
     def _dealt(self, batches: GlobalBatches):
         """This worker's micro-batches of the shared stream: its share of each round, by index."""
@@ -312,22 +403,27 @@ class Engine(LocalStepsLoop):
     # ------------------------------------------------------------------ compute side
     def _accumulate(self, it) -> bool:
         """Run micro-batches until this round may end; True if the data ran out."""
-        cfg = self.cfg
-        grow, least = self.accumulation.grow, self.accumulation.minimum(self.round_index)
-        while True:
-            if self.state.pending_count >= least:
-                if not grow or self._inflight is None:
-                    return False
-                if cfg.max_micro_batches is not None and self.state.pending_count >= cfg.max_micro_batches:
-                    return False
-                if self._inflight.done():
-                    return False
-                if time.perf_counter() - self._submitted_at > cfg.timeout_s:
-                    return False  # _finish will name the peer that holds the round up
+        while not self._round_may_end():
             batch = next(it, _END)
             if batch is _END:
                 return True
             self._micro_batch(batch)
+        return False
+
+    def _round_may_end(self) -> bool:
+        """Whether this worker's micro-batches complete the round: its share of them (grow: at
+        least that many, and more while the round in flight is still on the wire)."""
+        cfg = self.cfg
+        grow, least = self.accumulation.grow, self.accumulation.minimum(self.round_index)
+        if self.state.pending_count < least:
+            return False
+        if not grow or self._inflight is None:
+            return True
+        if cfg.max_micro_batches is not None and self.state.pending_count >= cfg.max_micro_batches:
+            return True
+        if self._inflight.done():
+            return True
+        return time.perf_counter() - self._submitted_at > cfg.timeout_s  # _finish names the peer that holds it up
 
     def _micro_batch(self, batch: Any) -> None:
         span = self.clock.start()

@@ -308,10 +308,10 @@ def load_model(cfg: FinetuneConfig, accelerator, cache_dir: Path):
         raise RecipeError(f"--model {cfg.model!r}: {exc}") from exc
 
 
-def gather(obj):
+def gather(obj, group=None):
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
     return [obj]
 
@@ -440,6 +440,10 @@ class RunLog:
         self.main = accelerator.is_main_process
         self.t0 = time.perf_counter() - offset_s
         self.samples_total = samples_total
+        # the per-step rows gather every rank's entry while the engine's comm thread may have a
+        # round in flight on the default group: their own group keeps the two orders apart
+        self.group = (dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized()
+                      and dist.get_world_size() > 1 else None)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -461,10 +465,11 @@ class RunLog:
                   "samples_total": self.samples_total, "elapsed_s": self.elapsed()})
         return ppl
 
-    def steps(self, history: list[dict], elapsed: float) -> None:
-        """A train line per committed step of every worker's history; each step's elapsed_s is
-        ``elapsed`` (the time when its fit call began) plus the time_s of the steps up to it."""
-        every = gather(history)
+    def steps(self, history: list[dict], elapsed: float) -> float:
+        """A train line per committed step of every worker's history (all ranks call it for the
+        same steps); each step's elapsed_s is ``elapsed`` (when its piece of the loop began) plus
+        the time_s of the steps up to it. Returns the elapsed_s of the last."""
+        every = gather(history, self.group)
         for i, entry in enumerate(every[0]):
             per = [h[i] if i < len(h) else {} for h in every]
             self.samples_total += entry["samples"]
@@ -476,6 +481,7 @@ class RunLog:
                 "time_s": entry["time_s"], "elapsed_s": elapsed,
                 "micro_batches": [h.get("micro_batches") for h in per],
                 "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
+        return elapsed
 
 
 def engine_data(engine: Engine, stream: TokenBatches):
@@ -489,16 +495,32 @@ def engine_data(engine: Engine, stream: TokenBatches):
     return stream.iter_from(engine.consumed)
 
 
+_END = object()
+
+
 def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: RunLog, say) -> None:
-    """Fit in pieces between evaluations; the lr schedule keeps --max-steps as its horizon."""
-    data = engine_data(engine, stream)
+    """The recipe's own loop of engine.feed calls, in pieces between evaluations (the lr schedule
+    keeps --max-steps as its horizon). A train row is written as each step commits, so a crash
+    keeps the rows of the steps before it."""
+    batches = engine.deal(engine_data(engine, stream))  # pulled one at a time, as fit() would
     model.train()
     while engine.step < cfg.max_steps:
         steps = cfg.max_steps - engine.step
         if cfg.eval_every:
             steps = min(steps, cfg.eval_every - engine.step % cfg.eval_every)
-        start, elapsed = engine.step, log.elapsed()
-        log.steps(engine.fit(data, steps=steps), elapsed)
+        start, seen, elapsed = engine.step, len(engine.history), log.elapsed()
+        engine.begin(steps)
+        while True:
+            for entry in engine.history[seen:]:  # one gather per step: every rank commits each step once
+                elapsed = log.steps([entry], elapsed)
+            seen = len(engine.history)
+            if engine.done:
+                break
+            batch = next(batches, _END)
+            if batch is _END:
+                engine.finish()  # this worker's data ran out: every rank stops at the same step
+            else:
+                engine.feed(batch)
         if engine.step == start:  # some worker's data ran out
             say(f"stopped at step {engine.step}: the data ran out")
             return

@@ -17,12 +17,17 @@ STRATEGIES: dict[str, str] = {
 }
 
 
+def strategy_class(name: str):
+    """The ``Strategy`` subclass registered as ``name`` (a key of STRATEGIES)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}: choose one of {sorted(STRATEGIES)}")
+    module, cls_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), cls_name)
+
+
 def make_strategy(cfg):
     """A fresh strategy object for ``cfg.strategy`` (a key of STRATEGIES), checked against cfg."""
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {cfg.strategy!r}: choose one of {sorted(STRATEGIES)}")
-    module, name = STRATEGIES[cfg.strategy].split(":")
-    cls = getattr(importlib.import_module(module), name)
+    cls = strategy_class(cfg.strategy)
     cls.check(cfg)
     build = getattr(cls, "from_config", None)  # a strategy whose plan depends on the config
     return build(cfg) if build is not None else cls()

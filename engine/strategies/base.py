@@ -25,6 +25,12 @@ class Strategy:
     def check(cls, cfg) -> None:
         """Refuse a configuration this strategy cannot honour (called when the engine is built)."""
 
+    @classmethod
+    def codec_groups(cls, cfg) -> list[int]:
+        """Group sizes this strategy's own wire codecs need every shard to be a multiple of
+        (engine/collectives.py ``codec_groups`` adds them to the configured codecs')."""
+        return []
+
     def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, JSON-able metadata) the strategy keeps between rounds, for a checkpoint."""
         return {}, {}

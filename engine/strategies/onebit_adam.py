@@ -89,6 +89,10 @@ class OnebitAdam(ShardedStrategy):
         return cls(cfg)
 
     @classmethod
+    def codec_groups(cls, cfg) -> list[int]:
+        return [cfg.group_size]  # its momentum goes out in sign1 groups after the warmup (DESIGN section 9)
+
+    @classmethod
     def check(cls, cfg) -> None:
         if cfg.optimizer != "adamw":
             raise ValueError(f"strategy 'onebit_adam' is 1-bit Adam, it freezes AdamW's second moment: set "

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from acco_loco.codecs import make_codec
+from acco_loco.registry import make_codec
 from acco_loco.feedback import ErrorFeedback, compress
 
 EPS32 = torch.finfo(torch.float32).eps

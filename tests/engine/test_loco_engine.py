@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from acco_loco.codecs import make_codec
+from acco_loco.registry import make_codec
 from benchmarks.modes import engine_modes
 from engine import Engine, EngineConfig
 from engine.comm import Comm
