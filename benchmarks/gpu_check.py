@@ -175,7 +175,7 @@ def overlap(args) -> dict:
 
 
 def codecs(args) -> dict:
-    from acco_loco.codecs import make_codec
+    from acco_loco.registry import make_codec
     from acco_loco.topk_codec import TopKCodec
 
     dev = torch.device(args.device)

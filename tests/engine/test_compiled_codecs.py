@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acco_loco.codecs import make_codec
+from acco_loco.registry import make_codec
 from acco_loco.topk_codec import TopKCodec
 
 pytestmark = pytest.mark.slow

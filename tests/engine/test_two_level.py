@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from acco_loco.codecs import make_codec
+from acco_loco.registry import make_codec
 from acco_loco.registry import GradCodecSpec
 from engine import Engine, EngineConfig
 from engine.comm import Comm, LinkBytes
