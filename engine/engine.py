@@ -30,6 +30,7 @@ from acco_loco.optim import init_state
 
 from . import checkpoint as ckpt
 from .comm import Comm, default_store, init_process_group
+from .agreement import check_agreement
 from .collectives import codec_groups, make_collectives
 from .config import EngineConfig
 from .cpu_memory import keep_freed_memory
@@ -76,6 +77,7 @@ class Engine(LocalStepsLoop):
             keep_freed_memory()  # before the process group and the comm thread start
         rank, world = init_process_group(device, cfg.timeout_s)
         self.comm = Comm(rank, world, cfg.comm_chunks)
+        check_agreement(model, cfg, rank, world, device)  # before any collective that depends on sizes
         self.device = device
 
         self.ctx = self._place_parameters(named, rank, world)
