@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 
+from . import reshard
 from .config import STRUCTURAL_FIELDS, EngineConfig
 from .loss import default_loss
 
@@ -150,9 +151,9 @@ def load(cls, directory, model, cfg: EngineConfig | None, loss_fn, max_steps: in
     error: Exception | None = None
     try:
         if engine.world_size != info["world_size"]:
-            raise ValueError(f"the checkpoint in {path} was written by {info['world_size']} workers and this "
-                             f"run has {engine.world_size}: resume with {info['world_size']} workers")
-        _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size), required=checked is not None)
+            _restore_resized(engine, path, info["world_size"], required=checked is not None)
+        else:
+            _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size), required=checked is not None)
     except Exception as exc:  # any rank's failure stops every rank here, not in its first round
         error = exc
     _agree_loaded(engine, path, error)
@@ -299,7 +300,7 @@ def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:
                          f"{unexpected[:5]}): load it into the model it was saved from")
 
 
-def _restore_rank_state(engine, file: Path, required: bool) -> None:
+def _read_rank_state(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: the checkpoint is incomplete, use an earlier one")
     tensors, metadata = _read(file, required)
@@ -307,4 +308,22 @@ def _restore_rank_state(engine, file: Path, required: bool) -> None:
         meta = json.loads(metadata["engine"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file} is corrupt or unreadable (engine metadata: {exc}): use an earlier checkpoint") from exc
+    return tensors, meta
+
+
+def _restore_rank_state(engine, file: Path, required: bool) -> None:
+    tensors, meta = _read_rank_state(file, required)
     engine.load_state_dict(tensors, meta, where=str(file))
+
+
+def _restore_resized(engine, path: Path, saved_world: int, required: bool) -> None:
+    """A checkpoint of ``saved_world`` workers at this run's world size: every rank reads every
+    rank file and re-cuts the state for its new shard (engine/reshard.py says by which rules)."""
+    old = [_read_rank_state(path / rank_file(r, saved_world), required) for r in range(saved_world)]
+    tensors, meta, report = reshard.recut(engine, old, f"the checkpoint in {path}")
+    engine.load_state_dict(tensors, meta, where=f"{path} (re-cut from {saved_world} to {engine.world_size} workers)")
+    if engine.rank == 0:
+        carried = ", ".join(f"{k}: {v}" for k, v in report["carried"].items())
+        log.warning("resized at step %d: the checkpoint in %s was written by %d workers, this run has %d; "
+                    "carried %s; dropped %s", meta["step"], path, saved_world, engine.world_size, carried,
+                    "; ".join(report["dropped"]) or "nothing")
