@@ -9,7 +9,9 @@ Layout of a checkpoint directory:
     engine.json                 world size, step, config, the loss function's name; written last
 
 Every rank writes into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<dir>``, so a
-checkpoint is either complete or absent. Multi-node runs need a shared filesystem. A peer lost
+checkpoint is either complete or absent. Multi-node runs need a shared filesystem. A checkpoint
+of N workers loads at another world size: every rank reads all N rank files and re-cuts them
+(engine/reshard.py). A peer lost
 during a save is named (the watchdog's diagnosis), and ``<dir>.tmp`` is never loaded.
 
 Every safetensors file carries a checksum of each tensor and of its metadata (metadata key

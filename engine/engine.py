@@ -232,7 +232,8 @@ class Engine(LocalStepsLoop):
     @classmethod
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
              loss_fn: LossFn | None = None, *, max_steps: int | None = None) -> "Engine":
-        """Build an engine from a checkpoint written by ``save`` (same world size).
+        """Build an engine from a checkpoint written by ``save`` (at this or another world size:
+        engine/reshard.py re-cuts the state).
 
         ``max_steps`` sets a new horizon for the resumed run (it must lie beyond the saved step).
         """
