@@ -162,3 +162,41 @@ def test_resume_at_fewer_then_more_workers(tmp_path, caplog):
     grown = spawn(resumed_run, 3, root, 2, 2)
     for name in CASES:
         _check(twos[name], grown, name, 2, 3)
+
+
+def _local_cfg(root, rank, steps, **kw):
+    return EngineConfig(strategy="acco", codec="loco4", group_size=8, lr=1e-2, micro_batches=2,
+                        accumulation="fixed", max_steps=steps, align=8,
+                        checkpoint_dir=f"{root}/node{rank}", **kw)  # a directory per rank: its own disk
+
+
+def node_local_run(rank, world, root):
+    straight = Engine(tiny_model(0), _local_cfg(f"{root}/straight", rank, 6), mse_loss)
+    straight.fit(worker_stream(rank, 100))
+    straight.close()
+    first = Engine(tiny_model(0), _local_cfg(root, rank, 4, checkpoint_every=2), mse_loss)
+    first.fit(worker_stream(rank, 100))
+    first.close()
+    resumed = Engine.load(f"{root}/node{rank}", tiny_model(3), None, mse_loss, max_steps=6)
+    import itertools
+    resumed.fit(itertools.islice(worker_stream(rank, 100), resumed.consumed, None))
+    resumed.close()
+    return {"same": torch.equal(torch.cat([p.detach().reshape(-1) for p in straight.model.parameters()]),
+                                torch.cat([p.detach().reshape(-1) for p in resumed.model.parameters()]))}
+
+
+def test_node_local_checkpoint_directories(tmp_path):
+    """Without a shared filesystem each node's ranks write into their own directory with the same
+    atomic protocol; each resumes from its own (bit-exact), and a re-cut that needs another
+    node's files says so."""
+    out = spawn(node_local_run, 2, str(tmp_path))
+    assert all(o["same"] for o in out)
+    for r in range(2):
+        node = tmp_path / f"node{r}"
+        assert (node / "latest").read_text().strip() == "step-00000006"  # the resumed run saves too
+        files = sorted(p.name for p in (node / "step-00000004").iterdir())
+        assert files == ["engine.json", "model.safetensors", f"rank{r:05d}-of-00002.safetensors"]
+        assert not any(p.name.endswith(".tmp") for p in node.iterdir())
+    import pytest
+    with pytest.raises(ValueError, match=r"node-local: it holds the files of ranks \[0\] of 2"):
+        Engine.load(str(tmp_path / "node0"), tiny_model(0), None, mse_loss)
