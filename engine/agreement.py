@@ -1,72 +1,84 @@
-"""Every rank trains the same thing: at start, ranks compare what decides the trajectory (the
-trainable parameters' names, shapes, dtypes and requires_grad, and every setting that shapes the
-computation or the collectives) and all raise together when one differs.
+"""Every rank trains the same thing: at engine start the ranks compare what they were given.
 
-Without this, ranks that built different models (another config file or layer count on one
-node) reach the first collective with buffers of different sizes: gloo aborts the process
-(``gloo::EnforceNotMet ... Received data size doesn't match expected size``) and the other
-ranks wait out the timeout. One all-gather of a 32-byte digest costs nothing when all agree;
-only on a mismatch do the ranks exchange their descriptions to name the first difference.
+A rank built with another model (a layer more, another dtype) or another config (strategy, codec,
+learning rate, global batch) would otherwise meet the others in the first collective with buffers
+of another size: gloo aborts the process (``gloo::EnforceNotMet ... Received data size doesn't
+match expected size``) and the peers wait, or, worse, the sizes happen to match and the ranks
+train different things together. torch DDP checks the parameter shapes at construction; this
+checks the parameter layout and every config field that shapes the optimization.
+
+One small collective when the ranks agree: a 16-byte digest of the description, all-gathered.
+Only on a mismatch a second exchange carries the descriptions, so that every rank raises the same
+error naming the first rank that differs from rank 0 and the first field or parameter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 
 import torch
 import torch.distributed as dist
 
-# settings that do not change what a step computes or which collectives run
-LOCAL_SETTINGS = frozenset({"timeout_s", "heartbeat_s", "checkpoint_dir", "checkpoint_every", "progress",
-                            "record_timeline", "poison_freed_buffers", "keep_cpu_memory"})
+from .comm import _all_gather_single
+
+# per-rank settings that may differ between ranks: where this node writes, how long it waits,
+# what it shows; everything else in EngineConfig shapes the training and must agree
+PER_RANK_FIELDS = frozenset({"runtime.timeout_s", "runtime.heartbeat_s", "runtime.checkpoint_dir",
+                             "runtime.progress", "runtime.record_timeline", "runtime.poison_freed_buffers",
+                             "runtime.keep_cpu_memory"})
 
 
-def describe(model: torch.nn.Module, cfg) -> list[tuple[str, str]]:
-    """(what, value) pairs every rank must share: the parameters, then the settings."""
-    out = [(f"parameter {name!r}", f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
-           for name, p in model.named_parameters()]
-    for name in cfg.field_names():
-        if name not in LOCAL_SETTINGS:
-            value = getattr(cfg, name)
-            out.append((f"setting {name}", repr(dataclasses.asdict(value) if dataclasses.is_dataclass(value)
-                                                else value)))
+def describe(model: torch.nn.Module, cfg) -> dict[str, str]:
+    """What must agree, in a fixed order: config fields, then every parameter (trainable or not)."""
+    out: dict[str, str] = {}
+    for section, value in cfg.to_dict().items():
+        fields = value.items() if isinstance(value, dict) else [(None, value)]
+        for name, v in fields:
+            key = f"config.{section}" if name is None else f"config.{section}.{name}"
+            if key.removeprefix("config.") not in PER_RANK_FIELDS:
+                out[key] = repr(v)
+    for name, p in model.named_parameters():
+        out[f"parameter {name}"] = f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
     return out
 
 
-def _digest(entries: list[tuple[str, str]], device: torch.device) -> torch.Tensor:
-    raw = hashlib.sha256(json.dumps(entries).encode()).digest()
-    return torch.frombuffer(bytearray(raw), dtype=torch.int64).to(device)
+def digest(description: dict[str, str]) -> torch.Tensor:
+    h = hashlib.blake2b(digest_size=16)
+    for k, v in description.items():
+        h.update(f"{k}={v}\n".encode())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).clone()
 
 
-def first_difference(reference: list[tuple[str, str]], other: list[tuple[str, str]]) -> tuple[str, str, str]:
-    """(what, value in reference, value in other) of the first entry that differs ("absent"
-    where one side has no such entry), in the reference's order."""
-    theirs, ours = dict(other), dict(reference)
-    for what, value in reference:
-        if theirs.get(what, "absent") != value:
-            return what, value, theirs.get(what, "absent")
-    what = next(w for w, _ in other if w not in ours)
-    return what, "absent", theirs[what]
+def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> tuple[str, str, str]:
+    """(key, rank 0's value, the other rank's value) of the first entry that differs."""
+    for key in list(mine) + [k for k in theirs if k not in mine]:
+        a, b = mine.get(key, "absent"), theirs.get(key, "absent")
+        if a != b:
+            return key, a, b
+    return "the description's order", "-", "-"
 
 
-def check_same_training(model: torch.nn.Module, cfg, rank: int, world: int, device: torch.device) -> None:
-    """Raise ValueError on every rank, naming the first rank and the first parameter or setting
-    that differs from rank 0's, unless all ranks describe the same training."""
-    if world == 1:
+def check_agreement(model: torch.nn.Module, cfg, rank: int, world: int, device: torch.device) -> None:
+    """Raise the same ValueError on every rank if any rank's model or config differs from rank 0's.
+
+    Collective: every rank calls it once, before the first collective that depends on the sizes."""
+    if world <= 1:
         return
-    entries = describe(model, cfg)
-    mine = _digest(entries, device)
-    seen = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(seen, mine)
-    if all(torch.equal(s, seen[0]) for s in seen):
+    mine = describe(model, cfg)
+    local = digest(mine).to(device)
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+    _all_gather_single(gathered, local)
+    rows = gathered.view(world, -1).cpu()
+    differ = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
+    if not differ:
         return
-    every: list = [None] * world
-    dist.all_gather_object(every, entries)
-    bad = next(r for r in range(world) if not torch.equal(seen[r], seen[0]))
-    what, ours, theirs = first_difference([tuple(e) for e in every[0]], [tuple(e) for e in every[bad]])
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)  # only on a mismatch: the details, to name them
+    bad = differ[0]
+    key, there, here = first_difference(everyone[0], everyone[bad])
+    others = f" (ranks {differ} differ from rank 0 in all)" if len(differ) > 1 else ""
     raise ValueError(
-        f"rank {bad} does not train what rank 0 trains: {what} is {theirs} on rank {bad} and {ours} on rank 0. "
-        "Every rank must build the same model (same architecture, trainable parameters and dtype) and the "
-        "same EngineConfig: launch every node with the same script, config and seed")
+        f"rank {bad} was started with another model or configuration than rank 0{others}: first "
+        f"difference {key}: {there} on rank 0, {here} on rank {bad}. Every rank must build the same model "
+        f"and pass the same EngineConfig (same script, flags and seed on every node); fix rank {bad}'s "
+        f"command line or config and restart all ranks")

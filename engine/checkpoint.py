@@ -9,7 +9,11 @@ Layout of a checkpoint directory:
     engine.json                 world size, step, config, the loss function's name; written last
 
 Every rank writes into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<dir>``, so a
-checkpoint is either complete or absent. Multi-node runs need a shared filesystem. A peer lost
+checkpoint is either complete or absent. Without a shared filesystem (or with a directory per
+node) the lowest rank that sees a directory finishes it: each node keeps its own ranks' files and
+resumes from them at the same world size. A checkpoint
+of N workers loads at another world size: every rank reads all N rank files and re-cuts them
+(engine/reshard.py). A peer lost
 during a save is named (the watchdog's diagnosis), and ``<dir>.tmp`` is never loaded.
 
 Every safetensors file carries a checksum of each tensor and of its metadata (metadata key
@@ -29,10 +33,12 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 
+from . import reshard
 from .config import STRUCTURAL_FIELDS, EngineConfig
 from .loss import default_loss
 
@@ -51,26 +57,46 @@ def rank_file(rank: int, world: int) -> str:
 
 
 def save(engine, directory: str | os.PathLike) -> str:
+    return _save(engine, directory)[0]
+
+
+def _save(engine, directory: str | os.PathLike) -> tuple[str, bool]:
+    """(the checkpoint directory, whether this rank finished it): the lowest rank that sees a
+    directory writes its model and engine.json and renames it, so ranks with a shared filesystem
+    write one checkpoint and ranks on separate disks (or given separate directories) one each."""
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     comm = engine.comm
     what = f"checkpoint save to {final} on rank {comm.rank}"
-    if comm.rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+    nonce = _save_nonce(engine, what)
+    if comm.rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier(engine, what)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / f".present-{nonce}-{comm.rank:05d}").touch()
+    _barrier(engine, what)
+    sharing = sorted(int(p.name.rsplit("-", 1)[1]) for p in tmp.glob(f".present-{nonce}-*"))
+    owner = sharing[0] == comm.rank  # the lowest rank that sees this directory finishes it
+    if owner and comm.rank != 0:  # a directory rank 0 does not see: clear what an earlier save left
+        for stale in tmp.iterdir():
+            if not stale.name.startswith(f".present-{nonce}-"):
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     _barrier(engine, what)
 
-    if comm.rank == 0:
+    if owner:
         _save_model(engine.model, tmp / "model.safetensors")
     tensors, meta = engine.state_dict()
     _write(tensors, tmp / rank_file(comm.rank, comm.world_size), {"engine": json.dumps(meta)})
     _barrier(engine, what)
 
-    if comm.rank == 0:
+    if owner:
         info = {"format": FORMAT, "world_size": comm.world_size, "step": engine.step,
                 "config": engine.cfg.to_dict(), "loss_fn": _saved_loss_name(engine.loss_fn),
                 CHECKSUMS: CHECKSUM_ALGO}
+        if len(sharing) < comm.world_size:  # node-local directories: this one holds these ranks' files
+            info["ranks_here"] = sharing
+        for marker in tmp.glob(".present-*"):
+            marker.unlink()
         with open(tmp / "engine.json", "w") as f:
             json.dump(info, f, indent=1)
             f.flush()
@@ -84,14 +110,26 @@ def save(engine, directory: str | os.PathLike) -> str:
         if old.exists():
             shutil.rmtree(old)
     _barrier(engine, what)
-    return str(final)
+    return str(final), owner
+
+
+def _save_nonce(engine, what: str) -> str:
+    """A name for this save that every rank shares (rank 0's), so a marker left by an earlier
+    save is never taken for a peer of this one."""
+    nonce = [os.urandom(8).hex() if engine.comm.rank == 0 else None]
+    if engine.comm.world_size > 1:
+        try:
+            torch.distributed.broadcast_object_list(nonce, src=0)
+        except Exception as exc:
+            raise engine.watchdog.diagnose(what) from exc
+    return nonce[0]
 
 
 def save_periodic(engine, root: str) -> str:
     """Checkpoint ``root/step-NNNNNNNN`` and point ``root/latest`` at it."""
     name = f"step-{engine.step:08d}"
-    path = save(engine, Path(root) / name)
-    if engine.comm.rank == 0:
+    path, owner = _save(engine, Path(root) / name)
+    if owner:
         pointer = Path(root) / (LATEST + ".tmp")
         pointer.write_text(name + "\n")
         os.replace(pointer, Path(root) / LATEST)
@@ -150,9 +188,9 @@ def load(cls, directory, model, cfg: EngineConfig | None, loss_fn, max_steps: in
     error: Exception | None = None
     try:
         if engine.world_size != info["world_size"]:
-            raise ValueError(f"the checkpoint in {path} was written by {info['world_size']} workers and this "
-                             f"run has {engine.world_size}: resume with {info['world_size']} workers")
-        _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size), required=checked is not None)
+            _restore_resized(engine, path, info["world_size"], required=checked is not None)
+        else:
+            _restore_rank_state(engine, path / rank_file(engine.rank, engine.world_size), required=checked is not None)
     except Exception as exc:  # any rank's failure stops every rank here, not in its first round
         error = exc
     _agree_loaded(engine, path, error)
@@ -299,7 +337,7 @@ def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:
                          f"{unexpected[:5]}): load it into the model it was saved from")
 
 
-def _restore_rank_state(engine, file: Path, required: bool) -> None:
+def _read_rank_state(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: the checkpoint is incomplete, use an earlier one")
     tensors, metadata = _read(file, required)
@@ -307,4 +345,27 @@ def _restore_rank_state(engine, file: Path, required: bool) -> None:
         meta = json.loads(metadata["engine"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file} is corrupt or unreadable (engine metadata: {exc}): use an earlier checkpoint") from exc
+    return tensors, meta
+
+
+def _restore_rank_state(engine, file: Path, required: bool) -> None:
+    tensors, meta = _read_rank_state(file, required)
     engine.load_state_dict(tensors, meta, where=str(file))
+
+
+def _restore_resized(engine, path: Path, saved_world: int, required: bool) -> None:
+    """A checkpoint of ``saved_world`` workers at this run's world size: every rank reads every
+    rank file and re-cuts the state for its new shard (engine/reshard.py says by which rules)."""
+    info = json.loads((path / "engine.json").read_text())
+    if "ranks_here" in info:
+        raise ValueError(f"the checkpoint in {path} is node-local: it holds the files of ranks {info['ranks_here']} "
+                         f"of {saved_world}, and re-cutting for {engine.world_size} workers needs all of them. Resume "
+                         f"with {saved_world} workers, or copy every node's rank files into one directory")
+    old = [_read_rank_state(path / rank_file(r, saved_world), required) for r in range(saved_world)]
+    tensors, meta, report = reshard.recut(engine, old, f"the checkpoint in {path}")
+    engine.load_state_dict(tensors, meta, where=f"{path} (re-cut from {saved_world} to {engine.world_size} workers)")
+    if engine.rank == 0:
+        carried = ", ".join(f"{k}: {v}" for k, v in report["carried"].items())
+        log.warning("resized at step %d: the checkpoint in %s was written by %d workers, this run has %d; "
+                    "carried %s; dropped %s", meta["step"], path, saved_world, engine.world_size, carried,
+                    "; ".join(report["dropped"]) or "nothing")

@@ -42,7 +42,7 @@ from .clock import make_clock
 from .local_loop import LocalStepsLoop
 from .loop import StepResult
 from .loss import LossFn, batch_size, default_loss
-from .agreement import check_same_training
+from .agreement import check_agreement
 from .auto import resolve as resolve_auto
 from .placement import Placement
 from .batching import Accumulation
@@ -85,7 +85,7 @@ class Engine(LocalStepsLoop):
             keep_freed_memory()  # before the process group and the comm thread start
         rank, world = init_process_group(device, cfg.timeout_s)
         self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
-        check_same_training(model, cfg, rank, world, device)  # before any collective of a given size
+        check_agreement(model, cfg, rank, world, device)  # before any collective that depends on sizes
         self.comm = Comm(rank, world, cfg.comm_chunks,
                          peer_nodes=[self.layout.node_of(r) for r in range(world)])
         self.device = device
@@ -336,7 +336,8 @@ class Engine(LocalStepsLoop):
     @classmethod
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
              loss_fn: LossFn | None = None, *, max_steps: int | None = None) -> "Engine":
-        """Build an engine from a checkpoint written by ``save`` (same world size).
+        """Build an engine from a checkpoint written by ``save`` (at this or another world size:
+        engine/reshard.py re-cuts the state).
 
         ``max_steps`` sets a new horizon for the resumed run (it must lie beyond the saved step).
         """
