@@ -358,7 +358,8 @@ class Engine(LocalStepsLoop):
         tensors.update({k: v.detach().cpu().contiguous() for k, v in self.ctx.grads.state_dict(mid_step).items()})
         strategy_tensors, strategy_meta = self.strategy.state_dict(self.ctx)
         tensors.update(strategy_tensors)
-        meta = {"rank": self.rank, "world_size": self.world_size, **self.state.state_dict(),
+        meta = {"rank": self.rank, "world_size": self.world_size, "topology": self.topology,
+                **self.state.state_dict(),
                 "opt_step": state.step, "shard_size": self.flat.shard_size, "numel": self.flat.numel,
                 "accumulation": self.accumulation.state_dict(), **strategy_meta}
         return tensors, meta

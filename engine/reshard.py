@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from acco_loco.codecs import make_codec
+from acco_loco.registry import make_codec
 
 log = logging.getLogger("acco_loco")
 
@@ -80,6 +80,11 @@ def recut(engine, old: list[tuple[dict[str, torch.Tensor], dict]], where: str) -
         raise ReshardError(f"{where} was taken between the rounds of a step (round {meta0['round_index']}): its "
                            f"kept half belongs to the {n} workers of that step. Resume it with {n} workers, or "
                            "use a checkpoint at a step boundary (periodic checkpoints are)")
+    if "two_level" in (meta0.get("topology", "flat"), engine.topology):
+        # its per-rank state (error feedback, 1-bit Adam's) covers a rail slice, not the buffer
+        raise ReshardError(f"{where} was written by {n} workers and this run has {world}, under the two-level "
+                           "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
+                           f"with {n} workers in the same layout, or run both with topology='flat'")
     if meta0.get("outer", {}).get("unmerged"):
         raise ReshardError(f"{where} was taken with an outer round in flight (outer_overlap): resume it with "
                            f"{n} workers, or use a checkpoint taken after the round was merged")

@@ -310,3 +310,24 @@ def test_heterogeneous_nodes_keep_the_global_batch_and_the_reference(strategy):
     for p in run:
         assert torch.equal(p["params"], run[0]["params"])
     assert rel_err(run[0]["params"], want[-1]) < 1e-6
+
+
+def _save_two_level(rank: int, world: int, directory: str):
+    engine = Engine(tiny_model(0), EngineConfig(strategy="zero1", codec="loco4", lr=1e-2, micro_batches=1,
+                                                accumulation="fixed", max_steps=2, align=8, group_size=8,
+                                                topology="two_level"), mse_loss)
+    engine.fit(iter(worker_stream(rank, 10)))
+    engine.save(directory)
+    engine.close()
+
+
+def _load_flat(rank: int, world: int, directory: str):
+    cfg = EngineConfig(strategy="zero1", codec="loco4", lr=1e-2, micro_batches=1, accumulation="fixed",
+                       max_steps=4, align=8, group_size=8)
+    Engine.load(directory, tiny_model(0), cfg, mse_loss)
+
+
+def test_a_two_level_checkpoint_refuses_another_world_size_clearly(tmp_path):
+    spawn(_save_two_level, 4, str(tmp_path / "c"), env=_env(2))
+    with pytest.raises(AssertionError, match="under the two-level exchange on one side"):
+        spawn(_load_flat, 2, str(tmp_path / "c"))
