@@ -122,6 +122,33 @@ def med_fact(rs: list[dict], key: str):
     return statistics.median(xs) if xs else None
 
 
+def node_link_fields(rs: list[dict], args) -> dict:
+    """The node layout and the bytes through the node links per optimizer step (medians over
+    the runs): node 0's link over the training window, every node's, and node 0's over the whole
+    run (start-up broadcast and evaluation included); the engine's own per-class counts."""
+    def med_node(key: str, node: int | None = 0):
+        xs = [r[key] if node is None else r[key][node] for r in rs if r.get(key)
+              and (node is None or r[key][node] is not None)]
+        if node is None:
+            return [statistics.median(col) for col in zip(*xs)] if xs and all(
+                v is not None for x in xs for v in x) else None
+        return statistics.median(xs) if xs else None
+
+    def med(key: str):
+        xs = [r.get(key) for r in rs if r.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    return {
+        "nodes": rs[0].get("nodes", args.workers), "ranks_per_node": rs[0].get("ranks_per_node", 1),
+        "topology": rs[0].get("topology"),
+        "node0_link_bytes_per_step": med_node("node_link_bytes_per_step"),
+        "node_link_bytes_per_step": med_node("node_link_bytes_per_step", None),
+        "node0_link_bytes_per_step_whole_run": med_node("node_link_bytes_per_step_whole_run"),
+        "wire_bytes_intra_per_step_engine": med("wire_bytes_intra_per_step_engine"),
+        "wire_bytes_inter_per_step_engine": med("wire_bytes_inter_per_step_engine"),
+    }
+
+
 def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, list[dict]], runs: list[dict],
              targets: dict[int, float], compute_rates: list) -> dict:
     """One mode's row of the table and the JSON (``runs``: every run, all modes)."""
@@ -169,6 +196,7 @@ def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, l
         "wire_bytes_per_step_engine": med("wire_bytes_per_step_engine"),
         "wire_bytes_per_step_tx": med("wire_bytes_per_step_tx"),
         "tx_over_engine": statistics.median(ratios) if ratios else None,
+        **node_link_fields(rs, args),
         "tx_over_engine_max_dev": max(abs(x - 1) for x in ratios) if ratios else None,
         "final_heldout_loss": med("final_loss"),
         "compute_only_samples_per_s": compute_rate,
