@@ -212,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in a.modes if m not in BENCHMARK_MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}: choose from {', '.join(BENCHMARK_MODES)}")
+    check_topology_modes(ap, a.modes)
     if a.local_samples_factor < 1:
         ap.error("--local-samples-factor must be at least 1")
     if a.first_seed < 0:
@@ -231,6 +232,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.sweep_seeds = min(default_sweep_seeds, a.seeds)
     check_lr_args(ap, a)
     return a
+
+
+def check_topology_modes(ap: argparse.ArgumentParser, modes: list[str]) -> None:
+    """A ``<mode>@flat`` / ``<mode>@two_level`` needs an engine with the ``topology`` setting."""
+    from engine import EngineConfig
+
+    asked = [m for m in modes if MODES[m].extra.get("topology")]
+    if asked and "topology" not in EngineConfig.field_names():
+        ap.error(f"mode(s) {asked} set the engine's topology, but this engine has no `topology` setting "
+                 f"(the two-level exchange, issue 22): use the plain mode names")
 
 
 def check_layout(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:

@@ -58,7 +58,7 @@ def test_benchmark_layout_flags():
     sys.path.insert(0, str(ROOT / "recipes"))
     import benchmark as recipe
 
-    common = ["--modes", "torch-ddp,zero1@two_level", "--seeds", "1", "--no-lr-sweep", "--steps", "2",
+    common = ["--modes", "torch-ddp,zero1", "--seeds", "1", "--no-lr-sweep", "--steps", "2",
               "--micro-batch", "4"]
     a = recipe.parse_args(["--nodes", "2", "--ranks-per-node", "2", *common])
     assert (a.nodes, a.ranks_per_node, a.workers) == (2, 2, 4)
@@ -70,8 +70,17 @@ def test_benchmark_layout_flags():
                      (["--nodes", "2", "--ranks-per-node", "0"], "at least 1")):
         with pytest.raises(SystemExit):
             recipe.parse_args([*bad, *common])
-    # a topology variant is the engine mode with EngineConfig.topology set, in the spec and JSON
+    # a topology variant is the engine mode with EngineConfig.topology set, in the spec and JSON;
+    # refused clearly by an engine without that setting
     from benchmarks.modes import MODES, topology_of
+    from engine import EngineConfig
+
+    two = ["--nodes", "2", "--ranks-per-node", "2", *common[:1], "torch-ddp,zero1@two_level", *common[2:]]
+    if "topology" in EngineConfig.field_names():
+        assert recipe.parse_args(two).modes == ["torch-ddp", "zero1@two_level"]
+    else:
+        with pytest.raises(SystemExit):
+            recipe.parse_args(two)
 
     assert MODES["acco+loco4+int4params@two_level"].engine_kwargs()["topology"] == "two_level"
     assert topology_of("acco+loco4+int4params@flat") == "flat" and topology_of("torch-ddp") is None
