@@ -146,11 +146,30 @@ MODES: dict[str, Mode] = {
     "sparseloco-h50+overlap": _engine("sparseloco", inner_steps=50, outer_overlap=True),
 }
 
+# Topology variants of every engine mode: ``<mode>@flat`` (every exchange over all M x G ranks)
+# and ``<mode>@two_level`` (inside the node first, then only the node's part over the node's
+# link: EngineConfig.topology). A name without ``@`` leaves topology to the engine's default
+# ("auto": two-level when there are several nodes of several ranks).
+TOPOLOGIES = ("flat", "two_level")
+for _name, _mode in list(MODES.items()):
+    if _mode.ddp is None:
+        for _t in TOPOLOGIES:
+            MODES[f"{_name}@{_t}"] = Mode(_mode.strategy, _mode.codec, _mode.param_codec,
+                                          {**_mode.extra, "topology": _t})
+
+
+def topology_of(name: str) -> str | None:
+    """The topology a mode name asks for ("flat", "two_level"), None: the engine's default (or DDP)."""
+    return MODES[name].extra.get("topology") if name in MODES else None
+
+
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
                    "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
+# ... each engine mode also as <mode>@flat and <mode>@two_level
+BENCHMARK_MODES += tuple(f"{n}@{t}" for n in BENCHMARK_MODES if MODES[n].ddp is None for t in TOPOLOGIES)
 # ... its default --modes per protocol, without and with --hetero ...
 DEFAULT_MODES = {
     ("matched", False): ("torch-ddp", "torch-ddp+powersgd4", "zero1", "acco", "acco+loco4",

@@ -122,6 +122,33 @@ def med_fact(rs: list[dict], key: str):
     return statistics.median(xs) if xs else None
 
 
+def node_link_fields(rs: list[dict], args) -> dict:
+    """The node layout and the bytes through the node links per optimizer step (medians over
+    the runs): node 0's link over the training window, every node's, and node 0's over the whole
+    run (start-up broadcast and evaluation included); the engine's own per-class counts."""
+    def med_node(key: str, node: int | None = 0):
+        xs = [r[key] if node is None else r[key][node] for r in rs if r.get(key)
+              and (node is None or r[key][node] is not None)]
+        if node is None:
+            return [statistics.median(col) for col in zip(*xs)] if xs and all(
+                v is not None for x in xs for v in x) else None
+        return statistics.median(xs) if xs else None
+
+    def med(key: str):
+        xs = [r.get(key) for r in rs if r.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    return {
+        "nodes": rs[0].get("nodes", args.workers), "ranks_per_node": rs[0].get("ranks_per_node", 1),
+        "topology": rs[0].get("topology"),
+        "node0_link_bytes_per_step": med_node("node_link_bytes_per_step"),
+        "node_link_bytes_per_step": med_node("node_link_bytes_per_step", None),
+        "node0_link_bytes_per_step_whole_run": med_node("node_link_bytes_per_step_whole_run"),
+        "wire_bytes_intra_per_step_engine": med("wire_bytes_intra_per_step_engine"),
+        "wire_bytes_inter_per_step_engine": med("wire_bytes_inter_per_step_engine"),
+    }
+
+
 def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, list[dict]], runs: list[dict],
              targets: dict[int, float], compute_rates: list) -> dict:
     """One mode's row of the table and the JSON (``runs``: every run, all modes)."""
@@ -169,6 +196,7 @@ def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, l
         "wire_bytes_per_step_engine": med("wire_bytes_per_step_engine"),
         "wire_bytes_per_step_tx": med("wire_bytes_per_step_tx"),
         "tx_over_engine": statistics.median(ratios) if ratios else None,
+        **node_link_fields(rs, args),
         "tx_over_engine_max_dev": max(abs(x - 1) for x in ratios) if ratios else None,
         "final_heldout_loss": med("final_loss"),
         "compute_only_samples_per_s": compute_rate,
@@ -443,7 +471,28 @@ def verdict_local(rows: list[dict]) -> list[str]:
 def tables(rows: list[dict]) -> str:
     """The markdown table and the verdict lines under it."""
     local = "\n".join(f"- {x}" for x in verdict_onebit(rows) + verdict_local(rows))
-    return table(rows) + "\n\n" + verdict(rows) + ("\n" + local if local else "")
+    nodes = node_table(rows)
+    return (table(rows) + "\n\n" + verdict(rows) + ("\n" + local if local else "")
+            + ("\n\n" + nodes if nodes else ""))
+
+
+def node_table(rows: list[dict]) -> str:
+    """Bytes through the node links per optimizer step (several ranks per node only), beside
+    the formula of benchmarks/node_bytes.py where it has one; "" with one rank per link."""
+    rows = [o for o in rows if (o.get("ranks_per_node") or 1) > 1 and o.get("node0_link_bytes_per_step")]
+    if not rows:
+        return ""
+    m, g = rows[0]["nodes"], rows[0]["ranks_per_node"]
+    lines = [f"Bytes through a node's link per optimizer step ({m} nodes x {g} ranks; node veth tx "
+             "counters over the training window, and node 0's over the whole run with start-up):", "",
+             "| mode | topology | node 0, MB/step | every node, MB/step | node 0 whole run, MB/step |",
+             "|---|---|---|---|---|"]
+    for o in rows:
+        per = ", ".join(fmt(x / 1e6, ".3f") for x in o.get("node_link_bytes_per_step") or [])
+        lines.append(f"| {o['mode']} | {o.get('topology') or ('engine default' if o['kind'] == 'engine' else '-')} "
+                     f"| {o['node0_link_bytes_per_step'] / 1e6:.3f} | {per} "
+                     f"| {fmt((o.get('node0_link_bytes_per_step_whole_run') or 0) / 1e6, '.3f')} |")
+    return "\n".join(lines)
 
 
 def protocol_line(args) -> str:
@@ -458,12 +507,20 @@ def protocol_line(args) -> str:
             f"{args.max_grad_norm:g}  ")
 
 
+def layout_words(args) -> str:
+    """'2 workers (1 per link)' or '2 nodes x 2 ranks (one link per node)'."""
+    g = getattr(args, "ranks_per_node", 1) or 1
+    if g == 1:
+        return f"{args.workers} workers (one link each)"
+    return f"{args.workers // g} nodes x {g} ranks (one link per node, loopback inside a node)"
+
+
 def run_header(args, rows: list[dict], compute_rates: list, load0, load1, total_s: float) -> str:
     """What a finished run prints above its table: the setup, the command, the compute-only pace."""
     tgt = next((o["target_loss"] for o in rows if o["target_loss"] is not None), None)
     hetero = " (hetero: 2 on core 0, 1 on core 1)" if args.hetero else ""
     return "\n".join([
-        f"## acco-loco benchmark ({args.protocol} batch): {args.workers} workers{hetero}, "
+        f"## acco-loco benchmark ({args.protocol} batch): {layout_words(args)}{hetero}, "
         f"{args.rate} links{f', {args.delay_ms:g} ms delay' if args.delay_ms else ''}, {args.samples} samples/run, "
         f"seeds {args.seeds}, lr {'sweep ' if args.lr_sweep else ''}{', '.join(f'{x:g}' for x in args.lrs)}"
         f"{f' (on the first {args.sweep_seeds} seed(s))' if args.lr_sweep and args.sweep_seeds else ''}\n",

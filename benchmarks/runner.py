@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.modes import MODES, matched_schedule
+from benchmarks.modes import MODES, matched_schedule, topology_of
 from benchmarks.report import aggregate, fmt
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
@@ -69,6 +69,7 @@ def base_spec(args, seed: int, micro_batch: int) -> dict:
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
         "micro_batch": micro_batch, "seed": seed, "heldout": args.heldout,
         "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
+        "ranks_per_node": ranks_per_node(args),
     }
 
 
@@ -98,7 +99,7 @@ def train_spec(args, mode: str, lr: float, seed: int) -> dict:
             "protocol": args.protocol, "samples": samples, "eval_points": eval_points(args, samples),
             "comm_chunks": args.comm_chunks, "group_size": args.group_size,
             "accumulation": plan.accumulation, "global_micro_batches": plan.global_micro_batches,
-            "lr_schedule": None}
+            "lr_schedule": None, "topology": topology_of(mode)}
     if args.protocol == "matched":
         spec["lr_schedule"] = dataclasses.asdict(matched_schedule(lr, steps))
         spec["balance"] = args.balance
@@ -155,13 +156,21 @@ def failure_report(name: str, codes: list[int], logs: list[str]) -> str:
     return f"{name}: worker exit codes {codes}\n" + "\n".join(tails)
 
 
+def ranks_per_node(args) -> int:
+    return getattr(args, "ranks_per_node", 1) or 1
+
+
 def launch(tb, args, spec: dict, name: str, workdir: str, port: int | None) -> list[dict]:
-    """Start one process per worker namespace, wait, return their JSON outputs (rank order)."""
+    """Start one process per rank (``ranks_per_node`` of them in each node's namespace), wait,
+    return their JSON outputs (rank order). Rank 0's output gets ``node_link_tx_bytes``: what
+    each node's link sent from before the processes started to after they ended (start-up,
+    training and evaluation: the whole run)."""
     procs, outs, logs = [], [], []
     spec_path = os.path.join(workdir, f"{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = worker_env(args, port)
+    link0 = [tb.tx_bytes(n) for n in range(tb.workers)]
     for r in range(args.workers):
         out = os.path.join(workdir, f"{name}.rank{r}.json")
         logp = os.path.join(workdir, f"{name}.rank{r}.log")
@@ -169,16 +178,36 @@ def launch(tb, args, spec: dict, name: str, workdir: str, port: int | None) -> l
         logs.append(logp)
         with open(logp, "w") as lf:
             procs.append(tb.popen(r, [sys.executable, WORKER, spec_path, out],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, cpu=cpu_for(args, r),
+                                  env=env, cpu=cpu_for(args, r),
                                   stdout=lf, stderr=subprocess.STDOUT))
     codes = wait_all(procs, args.run_timeout)
     if any(c != 0 for c in codes):
         raise RunFailed(failure_report(name, codes, logs))
+    link1 = [tb.tx_bytes(n) for n in range(tb.workers)]
     results = []
     for out in outs:
         with open(out) as f:
             results.append(json.load(f))
+    results[0]["node_link_tx_bytes"] = [b - a for a, b in zip(link0, link1)]
     return results
+
+
+def node_link_bytes(res: list[dict], g: int) -> dict:
+    """Bytes through each node's link, from the ranks' outputs (ranks numbered node by node).
+
+    ``window``: the node's veth tx counter over the training window, as the node's local rank 0
+    read it (every rank of a node reads the same counter; the window is from the barrier after
+    start-up to the end of training); ``whole_run``: the runner's reading from before the
+    processes started to after they ended (start-up broadcast and evaluation included), if known."""
+    nodes = len(res) // g
+    window = [res[n * g].get("tx_bytes") for n in range(nodes)]
+    return {"window": window, "whole_run": res[0].get("node_link_tx_bytes")}
+
+
+def per_step(values: list[int | None] | None, steps: int) -> list[float | None] | None:
+    if values is None:
+        return None
+    return [None if v is None or not steps else v / steps for v in values]
 
 
 def compute_only(tb, args, workdir: str, tag: str, micro_batch: int) -> dict:
@@ -232,12 +261,27 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         evals.append({"samples": row["samples"], "time_s": row["time_s"], "step": row["step"], "loss": loss})
     samples = sum(h["samples"] for h in hist)
     train_s = max(r["train_s"] for r in res)
-    ratios = [r["tx_bytes"] / r["accounted_bytes"] if r.get("tx_bytes") and r["accounted_bytes"] else None
-              for r in res]
+    # one rank per link: its link's tx_bytes against what it accounted; with several ranks per
+    # node the link counts the node's ranks together and none of their intra-node traffic, so
+    # the per-rank ratio means nothing (the node-link fields below hold the counts)
+    ratios = [r["tx_bytes"] / r["accounted_bytes"] if r.get("tx_bytes") and r["accounted_bytes"]
+              and (spec or {}).get("ranks_per_node", 1) == 1 else None for r in res]
     steps = len(hist)
     spec = spec or {}
+    g = spec.get("ranks_per_node", 1) or 1
+    links = node_link_bytes(res, g)
+    per_class = {k: sum(h[k] for h in hist) / steps if hist and all(k in h for h in hist) else None
+                 for k in ("wire_bytes_intra", "wire_bytes_inter")}
     return {
         "mode": mode, "lr": lr, "seed": seed, "steps": steps, "samples": samples, "train_s": train_s,
+        "nodes": len(res) // g, "ranks_per_node": g, "topology": spec.get("topology"),
+        # bytes through each node's one link per optimizer step (the node's veth tx counter):
+        # over the training window, and over the whole run (start-up and evaluation included)
+        "node_link_bytes_per_step": per_step(links["window"], steps),
+        "node_link_bytes_per_step_whole_run": per_step(links["whole_run"], steps),
+        # what the engine accounts per link class (rank 0, per step), where it reports them
+        "wire_bytes_intra_per_step_engine": per_class["wire_bytes_intra"],
+        "wire_bytes_inter_per_step_engine": per_class["wire_bytes_inter"],
         **{k: spec.get(k) for k in ("protocol", "global_batch", "micro_batch", "accumulation",
                                     "global_micro_batches", "lr_schedule")},
         "data": spec.get("data", "per-rank"),
@@ -265,7 +309,7 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "evals": evals,
         "final_loss": evals[-1]["loss"] if evals else None,
         "history": [{k: h.get(k) for k in ("step", "loss", "lr", "samples", "global_micro_batches", "wire_bytes",
-                                           "time_s")} for h in hist],
+                                           "wire_bytes_intra", "wire_bytes_inter", "time_s")} for h in hist],
         "timeline": [t for r in res for t in shift_timeline(r, r0)],
         **phase_summary(res),
     }
@@ -323,7 +367,8 @@ def run_all(args, workdir: str, runs: list[dict], compute_rates: list[dict]) -> 
 
     failures: list[str] = []
     port = 29500
-    with Testbed(workers=args.workers, link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
+    with Testbed(workers=args.workers // ranks_per_node(args), ranks_per_node=ranks_per_node(args),
+                 link=LinkSpec(args.rate, args.delay_ms), prefix=args.prefix) as tb:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for mb in micro_batches_in_use(args):
                 compute_rates.append(compute_only(tb, args, workdir, f"s{seed}", mb))

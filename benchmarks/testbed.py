@@ -23,6 +23,13 @@ can leave the machine)::
 * Shaping: ``tbf`` as root qdisc on the worker-side veth (what worker i sends) and on the
   hub-side veth (what worker i receives). Each worker thus has its own full-duplex access
   link of ``rate`` in each direction, like a host on a switch port.
+* Nodes: ``Testbed(workers=M, ranks_per_node=G)`` makes each worker namespace a node of G
+  ranks (global ranks numbered node by node, :meth:`Testbed.node_of`). The G processes of a
+  node share its namespace, address and one shaped veth; traffic between them goes to the
+  node's own address, which Linux routes over the namespace's loopback (fast, unshaped, not on
+  the veth's counters), so the veth counts exactly what the node sends to other nodes. Each
+  process gets torchrun's variables (:func:`torchrun_env`). ``ranks_per_node=1`` (the default)
+  is the original one-worker-per-link layout, where node i is rank i.
 * Teardown deletes the namespaces; deleting a namespace destroys the veths, the bridge and
   the qdiscs in it. Processes still running inside a namespace would keep it alive, so they
   are killed first (those started with :meth:`Testbed.popen` by process group, then anything
@@ -100,6 +107,7 @@ __all__ = [
     "parse_rate",
     "parse_size",
     "requires_root_reason",
+    "torchrun_env",
 ]
 
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -117,9 +125,12 @@ class TestbedTerminated(SystemExit):
 
 
 def _checked_links(
-    workers: int, link: LinkSpec | Sequence[LinkSpec] | None, prefix: str, subnet: str
+    workers: int, link: LinkSpec | Sequence[LinkSpec] | None, prefix: str, subnet: str,
+    ranks_per_node: int = 1,
 ) -> list[LinkSpec]:
-    """One LinkSpec per worker, after checking every argument of :class:`Testbed`."""
+    """One LinkSpec per worker (node), after checking every argument of :class:`Testbed`."""
+    if ranks_per_node < 1:
+        raise ValueError("ranks_per_node must be >= 1")
     if not _PREFIX_RE.match(prefix):
         raise ValueError(f"prefix {prefix!r}: 1-10 characters, a letter then [A-Za-z0-9_]")
     if workers < 1:
@@ -137,8 +148,21 @@ def _checked_links(
     return list(links)
 
 
+def torchrun_env(rank: int, nodes: int, ranks_per_node: int) -> dict[str, str]:
+    """The variables torchrun gives global ``rank`` of ``nodes`` x ``ranks_per_node`` ranks,
+    ranks numbered node by node (``GROUP_RANK`` is the node's index, as torchrun's agent sets it)."""
+    world = nodes * ranks_per_node
+    if not 0 <= rank < world:
+        raise IndexError(f"rank {rank} out of range for {nodes} nodes x {ranks_per_node} ranks")
+    node, local = divmod(rank, ranks_per_node)
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(ranks_per_node), "GROUP_RANK": str(node),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
+
+
 class Testbed:
-    """``workers`` namespaces on one bridge, each behind a shaped veth link. See module doc."""
+    """``workers`` namespaces (nodes) on one bridge, each behind a shaped veth link, each holding
+    ``ranks_per_node`` ranks. See module doc."""
 
     __test__ = False
 
@@ -149,9 +173,11 @@ class Testbed:
         prefix: str = "acl",
         subnet: str = DEFAULT_SUBNET,
         kill_grace_s: float = 3.0,
+        ranks_per_node: int = 1,
     ) -> None:
-        self.links: list[LinkSpec] = _checked_links(workers, link, prefix, subnet)
-        self.workers = workers
+        self.links: list[LinkSpec] = _checked_links(workers, link, prefix, subnet, ranks_per_node)
+        self.workers = workers  # nodes: one namespace and one shaped link each
+        self.ranks_per_node = ranks_per_node
         self.link = self.links[0]
         self.prefix = prefix
         self.subnet = ipaddress.ip_network(subnet)
@@ -319,25 +345,45 @@ class Testbed:
         if not self._active:
             raise TestbedError("the testbed is not up (use it inside `with Testbed(...) as tb:`)")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: nodes x ranks per node."""
+        return self.workers * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node (namespace, link) global ``rank`` runs on: ranks are numbered node by node."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range for {self.workers} nodes x "
+                             f"{self.ranks_per_node} ranks per node")
+        return rank // self.ranks_per_node
+
+    def ranks_of(self, node: int) -> range:
+        """The global ranks on ``node``."""
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
     def env_for(self, rank: int) -> dict[str, str]:
-        """Variables popen() adds to a worker's environment."""
+        """Variables popen() adds to global ``rank``'s environment: torchrun's (RANK, WORLD_SIZE,
+        LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK; :func:`torchrun_env`), MASTER_ADDR (node 0),
+        the gloo interface of its node, and the testbed's own TESTBED_* facts."""
+        node = self.node_of(rank)
         return {
-            "GLOO_SOCKET_IFNAME": self.ifnames[rank],
-            "TP_SOCKET_IFNAME": self.ifnames[rank],
+            **torchrun_env(rank, self.workers, self.ranks_per_node),
+            "GLOO_SOCKET_IFNAME": self.ifnames[node],
+            "TP_SOCKET_IFNAME": self.ifnames[node],
             "MASTER_ADDR": self.addresses[0],
             "TESTBED_RANK": str(rank),
-            "TESTBED_WORLD_SIZE": str(self.workers),
-            "TESTBED_ADDR": self.addresses[rank],
-            "TESTBED_IFNAME": self.ifnames[rank],
+            "TESTBED_WORLD_SIZE": str(self.world_size),
+            "TESTBED_NODE": str(node),
+            "TESTBED_NODES": str(self.workers),
+            "TESTBED_ADDR": self.addresses[node],
+            "TESTBED_IFNAME": self.ifnames[node],
             "TESTBED_ADDRESSES": ",".join(self.addresses),
         }
 
     def wrap(self, rank: int, argv: Sequence[str], cpu: str | int | None = None) -> list[str]:
-        """argv prefixed so that it runs in worker ``rank``'s namespace (and on ``cpu``)."""
+        """argv prefixed so that it runs in global ``rank``'s node namespace (and on ``cpu``)."""
         self._check_active()
-        if not 0 <= rank < self.workers:
-            raise IndexError(f"rank {rank} out of range for {self.workers} workers")
-        out = ["ip", "netns", "exec", self.namespaces[rank]]
+        out = ["ip", "netns", "exec", self.namespaces[self.node_of(rank)]]
         if cpu is not None:
             if shutil.which("taskset") is None:
                 raise TestbedError(netns.missing_tool_message("taskset"))
@@ -352,7 +398,7 @@ class Testbed:
         cpu: str | int | None = None,
         **kw,
     ) -> subprocess.Popen:
-        """Start ``argv`` in worker ``rank``'s namespace; ``cpu`` is a taskset CPU list ('0', '0-1').
+        """Start ``argv`` as global ``rank`` in its node's namespace; ``cpu`` is a taskset CPU list ('0', '0-1').
 
         The process gets its own session (``start_new_session=True`` unless given) so teardown
         can kill it with its children. ``ip netns exec`` and ``taskset`` exec the program, so
@@ -371,7 +417,7 @@ class Testbed:
 
     def run(self, rank: int, argv: Sequence[str], check: bool = True, timeout: float = 60.0,
             **kw) -> subprocess.CompletedProcess:
-        """Run a short command in worker ``rank``'s namespace and return its output."""
+        """Run a short command as global ``rank`` (in its node's namespace) and return its output."""
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.PIPE)
         kw.setdefault("text", True)
@@ -386,30 +432,39 @@ class Testbed:
             cp.check_returncode()
         return cp
 
-    def _counters(self, rank: int, names: Sequence[str]) -> dict[str, int]:
+    def _counters(self, node: int, names: Sequence[str]) -> dict[str, int]:
         self._check_active()
-        return netns.read_counters(self.namespaces[rank], self.ifnames[rank], names)
+        return netns.read_counters(self.namespaces[node], self.ifnames[node], names)
 
-    def counters(self, rank: int) -> dict[str, int]:
-        """tx/rx bytes and packets of worker ``rank``'s veth end, read inside its namespace."""
-        return self._counters(rank, ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"))
+    def counters(self, node: int) -> dict[str, int]:
+        """tx/rx bytes and packets of ``node``'s veth end (its one link), read inside its
+        namespace. With one rank per node, node i is rank i."""
+        return self._counters(node, ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"))
 
-    def tx_bytes(self, rank: int) -> int:
-        """Bytes worker ``rank`` sent (Ethernet frames incl. headers, its veth end)."""
-        return self._counters(rank, ("tx_bytes",))["tx_bytes"]
+    def tx_bytes(self, node: int) -> int:
+        """Bytes ``node`` sent through its link (Ethernet frames incl. headers, its veth end);
+        traffic between ranks of one node goes over the namespace's loopback, not counted here."""
+        return self._counters(node, ("tx_bytes",))["tx_bytes"]
 
-    def rx_bytes(self, rank: int) -> int:
-        """Bytes worker ``rank`` received (its veth end)."""
-        return self._counters(rank, ("rx_bytes",))["rx_bytes"]
+    def rx_bytes(self, node: int) -> int:
+        """Bytes ``node`` received through its link (its veth end)."""
+        return self._counters(node, ("rx_bytes",))["rx_bytes"]
 
-    def qdisc_stats(self, rank: int) -> dict[str, dict[str, int]]:
-        """tbf statistics of worker ``rank``'s link: {'up': {...}, 'down': {...}} with
+    def loopback_tx_bytes(self, node: int) -> int:
+        """Bytes sent over ``node``'s loopback: its ranks' traffic with each other (unshaped)."""
+        self._check_active()
+        return netns.read_counters(self.namespaces[node], "lo", ("tx_bytes",))["tx_bytes"]
+
+    def qdisc_stats(self, node: int) -> dict[str, dict[str, int]]:
+        """tbf statistics of ``node``'s link: {'up': {...}, 'down': {...}} with
         bytes, packets, drops, overlimits, requeues, backlog."""
         self._check_active()
-        return {"up": netns.tbf_stats(self.namespaces[rank], self.ifnames[rank]),
-                "down": netns.tbf_stats(self.hub_ns, self.hub_ifnames[rank])}
+        return {"up": netns.tbf_stats(self.namespaces[node], self.ifnames[node]),
+                "down": netns.tbf_stats(self.hub_ns, self.hub_ifnames[node])}
 
     def __repr__(self) -> str:
         state = "up" if self._active else "down"
-        return (f"Testbed({self.workers} workers, {self.link.rate} delay {self.link.delay_ms}ms, "
+        layout = (f"{self.workers} workers" if self.ranks_per_node == 1
+                  else f"{self.workers} nodes x {self.ranks_per_node} ranks")
+        return (f"Testbed({layout}, {self.link.rate} delay {self.link.delay_ms}ms, "
                 f"tag={self.tag or '-'}, {state})")

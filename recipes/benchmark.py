@@ -105,8 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--balance", choices=("equal", "speed"), default="equal",
                     help="matched, engine modes: share a round's micro-batches out equally, or by each "
                     "worker's measured speed (mixed machines, --hetero; the step's batch stays B)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rate", default="100mbit", help="each worker's link, both ways (tc units)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="N nodes of one rank each, every rank behind its own link (default 2); "
+                    "the same as --nodes N --ranks-per-node 1")
+    ap.add_argument("--nodes", type=int, default=None, metavar="M",
+                    help="M nodes (network namespaces), each behind one link of --rate, each holding "
+                    "--ranks-per-node ranks that talk to each other over the namespace's loopback")
+    ap.add_argument("--ranks-per-node", type=int, default=1, metavar="G",
+                    help="ranks (worker processes) per node, with --nodes (default 1); each gets "
+                    "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK")
+    ap.add_argument("--rate", default="100mbit", help="each node's link, both ways (tc units)")
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="one-way delay per link direction (needs the netem qdisc)")
     budget = ap.add_mutually_exclusive_group()
@@ -188,12 +196,15 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     a = ap.parse_args(argv)
+    check_layout(ap, a)
     if a.hetero:
+        if a.ranks_per_node != 1:
+            ap.error("--hetero runs 3 single-rank workers; leave --nodes/--ranks-per-node out")
         if a.workers not in (2, 3):
             ap.error("--hetero runs 3 workers; leave --workers out")
-        a.workers = 3
+        a.workers = a.nodes = 3
     if a.workers < 2:
-        ap.error("--workers must be at least 2")
+        ap.error("--workers must be at least 2 (or --nodes M --ranks-per-node G with M x G >= 2)")
     if a.micro_batch < 1:
         ap.error("--micro-batch must be at least 1")
     a.modes = [m.strip() for m in (a.modes or ",".join(DEFAULT_MODES[a.protocol, a.hetero])).split(",")
@@ -201,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in a.modes if m not in BENCHMARK_MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}: choose from {', '.join(BENCHMARK_MODES)}")
+    check_topology_modes(ap, a.modes)
     if a.local_samples_factor < 1:
         ap.error("--local-samples-factor must be at least 1")
     if a.first_seed < 0:
@@ -220,6 +232,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.sweep_seeds = min(default_sweep_seeds, a.seeds)
     check_lr_args(ap, a)
     return a
+
+
+def check_topology_modes(ap: argparse.ArgumentParser, modes: list[str]) -> None:
+    """A ``<mode>@flat`` / ``<mode>@two_level`` needs an engine with the ``topology`` setting."""
+    from engine import EngineConfig
+
+    asked = [m for m in modes if MODES[m].extra.get("topology")]
+    if asked and "topology" not in EngineConfig.field_names():
+        ap.error(f"mode(s) {asked} set the engine's topology, but this engine has no `topology` setting "
+                 f"(the two-level exchange, issue 22): use the plain mode names")
+
+
+def check_layout(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--workers N (N nodes x 1) or --nodes M --ranks-per-node G: sets a.nodes, a.ranks_per_node
+    and a.workers = M x G, the world size every mode runs at."""
+    if a.workers is not None and a.nodes is not None:
+        ap.error("--workers N means N nodes of one rank each: give either --workers or --nodes "
+                 "(with --ranks-per-node)")
+    if a.ranks_per_node < 1:
+        ap.error("--ranks-per-node must be at least 1")
+    if a.nodes is None:
+        if a.ranks_per_node != 1:
+            ap.error("--ranks-per-node needs --nodes M (the number of nodes, each behind one link)")
+        a.nodes = 2 if a.workers is None else a.workers
+    if a.nodes < 1:
+        ap.error("--nodes must be at least 1")
+    a.workers = a.nodes * a.ranks_per_node
 
 
 def check_batch_args(ap: argparse.ArgumentParser, a: argparse.Namespace, default_samples: int) -> None:

@@ -118,3 +118,41 @@ def test_benchmark_smoke_local_steps(tmp_path):
         assert o["overlap_efficiency"] > 0
         assert f"{name} (360 samples):" in cp.stdout
     assert "without overlap" in cp.stdout
+
+
+@pytest.mark.timeout(180)
+def test_benchmark_smoke_nodes(tmp_path):
+    """2 nodes x 2 ranks (--nodes 2 --ranks-per-node 2): DDP and a compressed engine mode on one
+    link per node; the node links' counters per step in the JSON, equal on both nodes (the
+    exchanges are symmetric) and at the formula's bytes (benchmarks/node_bytes.py) within 3% for
+    DDP's ring all-reduce; the compressed engine mode sends less through a node's link."""
+    from benchmarks import node_bytes as nb
+    from engine import EngineConfig
+
+    # with an engine that has the two-level exchange: flat and two-level side by side
+    two_level = "topology" in EngineConfig.field_names()
+    acco = ["acco+loco4+int4params@flat", "acco+loco4+int4params@two_level"] if two_level else ["acco+loco4+int4params"]
+    out_json = tmp_path / "b.json"
+    argv = [sys.executable, SCRIPT, "--nodes", "2", "--ranks-per-node", "2", "--rate", "1gbit",
+            "--modes", ",".join(["torch-ddp", *acco]), "--seeds", "1", "--steps", "3", "--global-batch", "16",
+            "--no-lr-sweep", "--micro-batch", "4", "--seq-len", "32", "--n-layer", "2", "--n-embd", "128",
+            "--n-head", "4", "--eval-points", "1", "--eval-batches", "1", "--compute-micro-batches", "1",
+            "--no-compute-at-end", "--prefix", f"bn{os.getpid() % 100000}", "--json", str(out_json)]
+    cp = subprocess.run(argv, capture_output=True, text=True, timeout=175, cwd=REPO)
+    assert cp.returncode == 0, f"exit {cp.returncode}\nstdout:\n{cp.stdout[-3000:]}\nstderr:\n{cp.stderr[-5000:]}"
+    assert "2 nodes x 2 ranks" in cp.stdout and "Bytes through a node's link" in cp.stdout
+    doc = json.loads(out_json.read_text())
+    assert doc["config"]["nodes"] == 2 and doc["config"]["ranks_per_node"] == 2 and doc["config"]["workers"] == 4
+    modes = {o["mode"]: o for o in doc["modes"]}
+    ddp = modes["torch-ddp"]
+    s = ddp["wire_bytes_per_step_engine"] / 1.5  # DDP accounts a ring's 2 (N - 1) / N S, N = 4
+    for o in modes.values():
+        assert (o["nodes"], o["ranks_per_node"], o["steps"]) == (2, 2, 3)
+        a, b = o["node_link_bytes_per_step"]
+        assert a == o["node0_link_bytes_per_step"] and abs(a - b) <= 0.02 * a
+        assert o["node0_link_bytes_per_step_whole_run"] > a  # start-up broadcast and evaluation too
+    assert 1.0 <= ddp["node0_link_bytes_per_step"] / (nb.node_link_bytes_over_s("torch-ddp fp32", 2, 2) * s) <= 1.03
+    assert modes[acco[0]]["node0_link_bytes_per_step"] < 0.5 * ddp["node0_link_bytes_per_step"]
+    if two_level:  # the node's sum crosses the link once: the formula's 0.57x flat, 0.18x DDP
+        flat, two = (modes[m]["node0_link_bytes_per_step"] for m in acco)
+        assert modes[acco[1]]["topology"] == "two_level" and two <= 0.65 * flat and two <= ddp["node0_link_bytes_per_step"] / 3
