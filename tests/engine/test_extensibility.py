@@ -1,7 +1,7 @@
 """A codec and a strategy added as one file plus one registry line each, trained in a gloo group
 of 2 against a float64 reference: the fp16 wire codec (acco_loco/fp16_codec.py, a line in
-acco_loco/registry.py) and local SGD (engine/strategies/local_sgd.py, a line in
-engine/strategies/__init__.py)."""
+acco_loco/registry.py), a toy bf16 codec from outside the package (tests/toy_codec.py) and
+local SGD (engine/strategies/local_sgd.py, a line in engine/strategies/__init__.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+import tests.toy_codec  # noqa: F401  (registers 'toy_bf16', in the spawned workers too)
 from engine import Engine, EngineConfig
 from engine.local_group import spawn
 from tests.tiny import Reference, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
@@ -29,15 +30,16 @@ def train(rank: int, world: int, kw: dict):
     return {"snaps": snaps, "bytes": [h["wire_bytes"] for h in history]}
 
 
-def fp16_reference(world: int) -> list[torch.Tensor]:
-    """zero1 + AdamW where each worker's mean gradient crosses the wire as fp16."""
+def cast_reference(world: int, wire_dtype: torch.dtype) -> list[torch.Tensor]:
+    """zero1 + AdamW where each worker's mean gradient crosses the wire cast to ``wire_dtype``."""
     model = copy.deepcopy(tiny_model(0)).double()
     theta = flat_params(model).double().requires_grad_(True)
     opt = torch.optim.AdamW([theta], lr=LR, weight_decay=0.0)
     streams = [worker_stream(r, K * (STEPS + 1)) for r in range(world)]
     out = []
     for t in range(STEPS):
-        sent = [mean_grad_f64(model, theta.detach(), s[t * K:(t + 1) * K]).float().half().double() for s in streams]
+        sent = [mean_grad_f64(model, theta.detach(), s[t * K:(t + 1) * K]).float().to(wire_dtype).double()
+                for s in streams]
         theta.grad = sum(sent) / world  # equal counts: the count-weighted mean is the plain mean
         opt.step()
         out.append(theta.detach().clone())
@@ -59,10 +61,13 @@ def local_sgd_reference(world: int, period: int) -> list[torch.Tensor]:
     return out
 
 
-def test_fp16_codec_matches_its_reference_and_halves_the_reduce_scatter():
-    fp16 = spawn(train, 2, {"strategy": "zero1", "codec": "fp16"})
+# the built-in fp16 codec, and a toy bf16 codec registered from outside the package (one file
+# plus one registration line: tests/toy_codec.py, imported here)
+@pytest.mark.parametrize("codec,wire_dtype", [("fp16", torch.float16), ("toy_bf16", torch.bfloat16)])
+def test_cast_codec_matches_its_reference_and_halves_the_reduce_scatter(codec, wire_dtype):
+    fp16 = spawn(train, 2, {"strategy": "zero1", "codec": codec})
     plain = spawn(train, 2, {"strategy": "zero1"})
-    ref = fp16_reference(2)
+    ref = cast_reference(2, wire_dtype)
     plain_ref = Reference(tiny_model(0), [worker_stream(r, K * (STEPS + 1)) for r in range(2)], K,
                           lr=LR, weight_decay=0.0).run("zero1", STEPS)
     for step in range(STEPS):
