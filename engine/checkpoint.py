@@ -125,6 +125,12 @@ def _save_nonce(engine, what: str) -> str:
     return nonce[0]
 
 
+def periodic_due(engine) -> bool:
+    """Whether the step just committed is due a periodic checkpoint (``checkpoint_every``)."""
+    every = engine.cfg.checkpoint_every
+    return bool(every) and engine.step % every == 0
+
+
 def save_periodic(engine, root: str) -> str:
     """Checkpoint ``root/step-NNNNNNNN`` and point ``root/latest`` at it."""
     name = f"step-{engine.step:08d}"

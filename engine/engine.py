@@ -94,8 +94,7 @@ class Engine(LocalStepsLoop):
 
         self.ctx = self._place_parameters(named, rank, world)
         self.flat = self.ctx.flat
-        if self.plan.local_steps:
-            self.strategy.setup(self.ctx)
+        self.strategy.setup(self.ctx)
         self.worker = CommWorker(device, cfg.timeout_s)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
@@ -144,8 +143,7 @@ class Engine(LocalStepsLoop):
             grads, params = make_two_level_collectives(cfg, self.comm, self.layout, flat.padded, device, dtype)
         else:
             grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
-        # local-step strategies run the optimizer on the whole buffer, their own full copy
-        owned = padded32 if self.plan.local_steps else flat.shard(padded32, rank)
+        owned = self.strategy.initial_values(flat, padded32, rank, self.layout)
         return RoundContext(cfg=cfg, comm=self.comm, flat=flat, spec=self.spec,
                             shard_state=init_state(owned, self.spec), grads=grads,
                             params=params, gather_buf=flat.data.clone())  # what every replica holds
@@ -550,7 +548,7 @@ class Engine(LocalStepsLoop):
         self._clock = now
         self._step_rounds = self._step_local = self._step_bytes = 0
         cfg = self.cfg
-        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        if ckpt.periodic_due(self):
             ckpt.save_periodic(self, cfg.checkpoint_dir)
 
     # ------------------------------------------------------------------ helpers

@@ -109,7 +109,7 @@ class LocalStepsLoop:
         self._step_rounds = self._step_bytes = 0
         self._outer_done = []
         cfg = self.cfg
-        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        if ckpt.periodic_due(self):
             stop = self._drain()  # a checkpoint needs no round in flight; the merge waits as before
             ckpt.save_periodic(self, cfg.checkpoint_dir)
             return stop

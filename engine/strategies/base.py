@@ -31,6 +31,14 @@ class Strategy:
         (engine/collectives.py ``codec_groups`` adds them to the configured codecs')."""
         return []
 
+    def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
+        """The fp32 values this rank's optimizer owns at the start, cut from every replica's
+        ``full32`` (the padded flat buffer): its shard by default."""
+        return flat.shard(full32, rank)
+
+    def setup(self, ctx: RoundContext) -> None:
+        """Allocate what the strategy keeps between rounds, once the context exists."""
+
     def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, JSON-able metadata) the strategy keeps between rounds, for a checkpoint."""
         return {}, {}

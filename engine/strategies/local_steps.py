@@ -116,6 +116,9 @@ class LocalStepStrategy(Strategy):
             raise ValueError(f"strategy {cfg.strategy!r} cannot honour this configuration: set " + "; ".join(wrong))
 
     # ------------------------------------------------------------------ setup
+    def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
+        return full32  # the inner optimizer runs on the whole buffer, this worker's own copy
+
     def setup(self, ctx: RoundContext) -> None:
         """Allocate the outer state around the start every replica shares (rank 0's parameters)."""
         world, batch = ctx.comm.world_size, ctx.cfg.global_micro_batches
