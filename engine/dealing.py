@@ -67,3 +67,21 @@ def dealt_stream(source: GlobalBatches, where: Callable[[], tuple[int, int, list
         except IndexError:
             return
         yield batch
+
+
+def deal(engine, batches) -> Iterator[Any]:
+    """``engine``'s micro-batches of ``batches``: a GlobalBatches stream dealt out by this
+    worker's share of each round (pull each just before feeding it: the dealing reads the
+    round), anything else as it is."""
+    if not isinstance(batches, GlobalBatches):
+        return iter(batches)
+    cfg = engine.cfg
+    if cfg.global_micro_batches is None:
+        raise ValueError("GlobalBatches is dealt out by the global batch: set global_micro_batches "
+                         "(accumulation 'fixed'), or pass this worker's own micro-batches")
+    engine.strategy.check_global_batches(cfg)
+
+    def where():
+        r = engine.state.round_index
+        return r, engine.state.pending_count, engine.accumulation.shares(r)
+    return dealt_stream(batches, where, engine.rank, cfg.global_micro_batches, engine.plan.rounds_per_step)

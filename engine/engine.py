@@ -1,25 +1,16 @@
-"""Engine: the compute side's loop. Accumulates micro-batches and hands rounds to the comm side.
+"""Engine: the lifecycle of a training run (process group, device, comm thread, watchdog,
+checkpoints) and the compute side's micro-batches; the strategy's loop decides what a round
+boundary does (engine/loops/).
 
     engine = Engine(model, EngineConfig(strategy="acco", lr=3e-4, micro_batches=2))
     history = engine.fit(batches)      # this worker's micro-batches
     # or the user's own loop: result = engine.feed(batch) per micro-batch, engine.finish() at the end
     engine.save("ckpt")                # Engine.load("ckpt", model) resumes the same trajectory
-
-At a round boundary (after this worker's share of the round's micro-batches, engine/batching.py),
-the compute side waits for the round in flight (in the batch-growing mode it keeps accumulating
-until that round is done), installs the parameters it gathered, submits the gradients it just
-accumulated as the next round and goes on accumulating into the other buffer.
-
-Local-step strategies (``plan.local_steps`` > 0: diloco, sparseloco; docs/DESIGN.md section 8)
-take an inner optimizer step at every boundary instead, on this worker alone, and submit an
-outer round only when the strategy says one is due (engine/local_loop.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 from functools import partial
@@ -27,29 +18,25 @@ from typing import Any
 
 import torch
 
-from acco_loco.acco import RoundKind
-from acco_loco.optim import init_state
-
 from . import checkpoint as ckpt
-from .comm import Comm, default_store, init_process_group
-from .layout import choose_topology, make_two_level_collectives
-from .collectives import codec_groups, make_collectives
-from .config import EngineConfig
-from .cpu_memory import keep_freed_memory
-from .dealing import GlobalBatches, dealt_stream
-from .flat import FlatParams
-from .clock import make_clock
-from .local_loop import LocalStepsLoop
-from .loop import StepResult
-from .loss import LossFn, batch_size, default_loss
 from .agreement import check_agreement
 from .auto import resolve as resolve_auto
-from .placement import Placement
 from .batching import Accumulation
-from .rounds import RoundContext, RoundRequest, RoundResult
+from .clock import make_clock
+from .comm import Comm, default_store, init_process_group
+from .config import EngineConfig
+from .context import build_context, trainable_parameters
+from .cpu_memory import keep_freed_memory
+from .dealing import deal
+from .layout import choose_topology
+from .loop import StepResult, done_message, loop_end
+from .loss import LossFn, batch_size, checked_loss, default_loss
+from .placement import Placement
+from .progress import progress_bar
 from .state import EngineState
 from .strategies import make_strategy
-from .streams import CommWorker, RoundHandle
+from .streams import CommWorker
+from .training_state import gather_state, restore_state
 from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError, may_be_peer_failure
 
 log = logging.getLogger("acco_loco")
@@ -57,7 +44,7 @@ log = logging.getLogger("acco_loco")
 _END = object()
 
 
-class Engine(LocalStepsLoop):
+class Engine:
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig | None = None,
                  loss_fn: LossFn | None = None):
         if not isinstance(model, torch.nn.Module):
@@ -67,17 +54,12 @@ class Engine(LocalStepsLoop):
             raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
         cfg.validate()
         cfg = resolve_auto(cfg, model)  # strategy="auto": the planner and a probe choose (engine/auto.py)
-        self.cfg = cfg
-        self.model = model
-        self.loss_fn = loss_fn or default_loss
+        self.cfg, self.model, self.loss_fn = cfg, model, loss_fn or default_loss
         self.strategy = make_strategy(cfg)
         self.plan = self.strategy.plan
         self.spec = cfg.optimizer_spec()
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no trainable parameters (every requires_grad is False): "
-                             "unfreeze at least one parameter")
+        named = trainable_parameters(model)
         device = named[0][1].device
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -92,111 +74,52 @@ class Engine(LocalStepsLoop):
         self.placement = Placement(device)  # every micro-batch goes to the model's device
         self.clock = make_clock(device)  # micro-batch times: CUDA events on a GPU
 
-        self.ctx = self._place_parameters(named, rank, world)
+        self.ctx = build_context(self, named)
         self.flat = self.ctx.flat
         self.strategy.setup(self.ctx)
         self.worker = CommWorker(device, cfg.timeout_s)
         self.watchdog = Watchdog(default_store() if world > 1 else None, rank, world, cfg.heartbeat_s)
         torch.manual_seed(cfg.seed)
 
-        self._link_mark = (self.comm.counter.intra, self.comm.counter.inter)  # after the start-up broadcast
         self.state = EngineState()  # counters and the pending accumulator: saved by save()
         self.state.start_accumulator(device)
-        self._inflight: RoundHandle | None = None
-        self._submitted_at = 0.0
-        self._step_rounds = 0
-        self._step_local = 0
-        self._step_bytes = 0
-        self._outer_done: list[dict] = []  # local steps: outer rounds finished since the last entry
-        self._clock = time.perf_counter()
         self.history: list[dict] = []
         self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
         self.timeline: list[tuple] = []
+        self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
         # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
         # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
         self.accumulation = Accumulation(cfg, self.plan, rank, world,
                                          paced=device.type == "cpu" and self.plan.overlap)
-        self._round_compute_s = 0.0  # this worker's compute seconds in the round it accumulates
-        self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
-        self._cpu_mark = (time.process_time(), time.thread_time())
-        self._stop_at = cfg.max_steps  # fit(steps=...) stops its call earlier
+        self.loop = self.strategy.make_loop(self)  # what a round boundary does (engine/loops/)
+        self.stop_at = cfg.max_steps  # fit(steps=...) and begin(steps) stop their loop earlier
+        self._stopped = False  # the last boundary said stop (the data of some rank ran out, or the horizon)
+        self._looping = False  # inside a loop of feed() calls: fit's, or the user's since the first feed
         self._closed = False
 
-    def _place_parameters(self, named: list, rank: int, world: int) -> RoundContext:
-        """Flatten the trainable parameters into one padded buffer, start every replica from
-        rank 0's fp32 values, and build what the rounds work with around it."""
-        cfg, device = self.cfg, self.device
-        # fp32 values of rank 0 define every replica's start and every master shard
-        flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
-        dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-        if not dtype.is_floating_point:
-            raise TypeError(f"trainable parameters must be floating point, got {dtype}")
-        if cfg.compute_dtype != "auto":
-            self.model.to(dtype)
-        flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
-                          math.lcm(cfg.align, *codec_groups(cfg)), dtype)
-        padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
-        padded32[:flat32.numel()] = flat32
-        self.comm.broadcast_(padded32, src=0)
-        flat.data.copy_(padded32)
-        if self.topology == "two_level":
-            grads, params = make_two_level_collectives(cfg, self.comm, self.layout, flat.padded, device, dtype)
-        else:
-            grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
-        owned = self.strategy.initial_values(flat, padded32, rank, self.layout)
-        return RoundContext(cfg=cfg, comm=self.comm, flat=flat, spec=self.spec,
-                            shard_state=init_state(owned, self.spec), grads=grads,
-                            params=params, gather_buf=flat.data.clone())  # what every replica holds
-
     # ------------------------------------------------------------------ public API
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def round_index(self) -> int:
-        return self.state.round_index
-
-    @property
-    def consumed(self) -> int:
-        return self.state.consumed
-
-    @property
-    def shard_state(self):
-        return self.ctx.shard_state
-
-    @property
-    def grads(self):
-        """The gradient reducer (``.feedback`` holds the error state of a compressed one)."""
-        return self.ctx.grads
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
+    step = property(lambda self: self.state.step, doc="committed steps (local steps: this worker's inner steps)")
+    round_index = property(lambda self: self.state.round_index, doc="rounds submitted")
+    consumed = property(lambda self: self.state.consumed, doc="micro-batches taken from this worker's data")
+    shard_state = property(lambda self: self.ctx.shard_state, doc="this worker's fp32 master shard and moments")
+    grads = property(lambda self: self.ctx.grads, doc="the gradient reducer (.feedback: a compressed one's error state)")
+    rank = property(lambda self: self.comm.rank)
+    world_size = property(lambda self: self.comm.world_size)
 
     def fit(self, batches: Iterable[Any], steps: int | None = None) -> list[dict]:
         """Train until ``cfg.max_steps`` committed steps or until some worker's data runs out.
 
-        ``batches`` are this worker's micro-batches. After a resume, pass the stream from index
-        ``engine.consumed`` on. Or, under a global batch (``global_micro_batches``), one
-        ``GlobalBatches`` stream that every rank passes alike: the engine deals each worker the
-        micro-batches of its share (engine/dealing.py), so the samples of a step do not depend on
-        the shares, and a resumed run passes the same stream again. ``steps`` stops this call after that many more committed steps
-        (every rank must pass the same value); the learning-rate schedule keeps ``cfg.max_steps``
-        as its horizon, so fitting in pieces follows the same trajectory as one call. Returns one
-        dict per committed step of this call.
+        ``batches`` are this worker's micro-batches (after a resume, from index ``engine.consumed``
+        on), or one ``GlobalBatches`` stream that every rank passes alike under a global batch: the
+        engine deals each worker its share (engine/dealing.py), and a resumed run passes the same
+        stream again. ``steps`` stops this call after that many more committed steps (every rank
+        passes the same); the lr schedule keeps ``cfg.max_steps`` as its horizon, so fitting in
+        pieces follows the trajectory of one call. Returns one dict per committed step of this call.
 
         It is the user's loop of :meth:`feed` calls over ``batches`` and :meth:`finish` when they
-        run out, with a progress bar: a user who keeps their own loop gets the same trajectory.
-        """
+        run out, with a progress bar: a user who keeps their own loop gets the same trajectory."""
         self.begin(steps)
-        first = len(self.history)
-        it = self.deal(batches)
-        bar = self._progress_bar()
+        first, it, bar = len(self.history), self.deal(batches), progress_bar(self)
         try:
             while not self.done:
                 with self._aborting_on_error():  # a failing data loader: the peers are told too
@@ -215,14 +138,11 @@ class Engine(LocalStepsLoop):
         return self.history[first:]
 
     # ------------------------------------------------------------------ the user's loop
-    _stopped = False  # the last boundary said stop (the data of some rank ran out, or the horizon)
-    _looping = False  # inside a loop of feed() calls: fit's, or the user's since the first feed
-
     @property
     def done(self) -> bool:
         """True when :meth:`feed` takes no more batches: ``max_steps`` (or ``fit``'s ``steps``)
         committed steps, or some worker's data ran out (every rank stops at the same step)."""
-        return self._stopped or self.step >= self._stop_at
+        return self._stopped or self.step >= self.stop_at
 
     def feed(self, batch: Any) -> StepResult | None:
         """Run one micro-batch of this worker's; when it completes a round, hand the round to the
@@ -234,7 +154,7 @@ class Engine(LocalStepsLoop):
         if not self._looping:
             self.begin(None)
         if self.done:
-            raise RuntimeError(self._done_message())
+            raise RuntimeError(done_message(self.step, self.cfg.max_steps, self.stop_at))
         first = len(self.history)
         with self._aborting_on_error():
             self._micro_batch(batch)
@@ -253,7 +173,8 @@ class Engine(LocalStepsLoop):
         first = len(self.history)
         with self._aborting_on_error():
             while not self.done:
-                self._stopped = self._boundary(self._accumulate(iter(())))
+                # the round ends with what this worker has: short of its share, the data ran out
+                self._stopped = self.loop.boundary(not self.loop.round_may_end())
         self._looping = False
         return [StepResult.from_entry(e) for e in self.history[first:]]
 
@@ -265,35 +186,19 @@ class Engine(LocalStepsLoop):
         restarts the clock of ``time_s``."""
         if self._closed:
             raise RuntimeError("this engine was closed: build a new one")
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
-        if self.step >= self.cfg.max_steps:
-            raise RuntimeError(
-                f"the engine is at step {self.step}, its max_steps is {self.cfg.max_steps}: nothing to "
-                f"train. To continue a saved run, load it with a new horizon: "
-                f"Engine.load(directory, model, loss_fn=..., max_steps={self.step + self.cfg.max_steps})")
-        self._stop_at = self.cfg.max_steps if steps is None else min(self.cfg.max_steps, self.step + steps)
+        self.stop_at = loop_end(self.step, self.cfg.max_steps, steps)
         self._stopped, self._looping = False, True
-        self._clock = time.perf_counter()
+        self.loop.restart_clock()
         with self._aborting_on_error():
             self._settle()  # a round this worker has no micro-batches in goes out before its first
 
     def _settle(self) -> None:
         """End every round that may end now: the one the last micro-batch completed, then any
         that follow with no micro-batches of this worker's (a share of 0)."""
-        while not self.done and self._round_may_end():
-            self._stopped = self._boundary(False)
+        while not self.done and self.loop.round_may_end():
+            self._stopped = self.loop.boundary(False)
         if self.done:
             self._looping = False  # the next feed() starts a new loop (and says why it cannot)
-
-    def _done_message(self) -> str:
-        if self.step >= self.cfg.max_steps:
-            return (f"the engine is at step {self.step}, its max_steps: nothing more to train (load it with "
-                    f"a new horizon to continue: Engine.load(directory, model, max_steps=...))")
-        if self.step >= self._stop_at:
-            return f"this loop's steps are done at step {self.step}: begin(steps) starts another piece"
-        return (f"training stopped at step {self.step}: the data of some worker ran out; begin() and "
-                f"feed() again on every rank to continue with more data")
 
     @contextmanager
     def _aborting_on_error(self):
@@ -309,23 +214,9 @@ class Engine(LocalStepsLoop):
         """This worker's micro-batches of ``batches`` for a loop of :meth:`feed` calls: a
         ``GlobalBatches`` stream dealt out by this worker's share of each round (as ``fit`` does;
         pull each batch just before feeding it, the dealing reads the round), else ``batches``."""
-        return self._dealt(batches) if isinstance(batches, GlobalBatches) else iter(batches)
+        return deal(self, batches)
 
-    def _dealt(self, batches: GlobalBatches):
-        """This worker's micro-batches of the shared stream: its share of each round, by index."""
-        cfg = self.cfg
-        if cfg.global_micro_batches is None:
-            raise ValueError("GlobalBatches is dealt out by the global batch: set global_micro_batches "
-                             "(accumulation 'fixed'), or pass this worker's own micro-batches")
-        if self.plan.local_steps:
-            raise ValueError(f"strategy {cfg.strategy!r} takes local steps (each worker its own inner "
-                             f"steps): pass each worker its own micro-batches, not GlobalBatches")
-
-        def where():
-            r = self.state.round_index
-            return r, self.state.pending_count, self.accumulation.shares(r)
-        return dealt_stream(batches, where, self.rank, cfg.global_micro_batches, self.plan.rounds_per_step)
-
+    # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> str:
         """Write a checkpoint (all ranks call this); returns the directory."""
         self._require_quiescent("save")
@@ -335,10 +226,8 @@ class Engine(LocalStepsLoop):
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
              loss_fn: LossFn | None = None, *, max_steps: int | None = None) -> "Engine":
         """Build an engine from a checkpoint written by ``save`` (at this or another world size:
-        engine/reshard.py re-cuts the state).
-
-        ``max_steps`` sets a new horizon for the resumed run (it must lie beyond the saved step).
-        """
+        engine/reshard.py re-cuts the state). ``max_steps`` sets a new horizon for the resumed run
+        (it must lie beyond the saved step)."""
         return ckpt.load(cls, directory, model, cfg, loss_fn, max_steps=max_steps)
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -346,95 +235,27 @@ class Engine(LocalStepsLoop):
         owned shard and its optimizer moments, the gradient accumulated but not yet sent, the
         RNG, the gradient reducer's error state and what the strategy keeps between rounds."""
         self._require_quiescent("take the state")
-        state = self.ctx.shard_state
-        tensors = {f"opt.{k}": v.detach().cpu().contiguous() for k, v in state.tensors().items()}
-        tensors["pending_grad"] = self.flat.grads[self.flat.active].detach().cpu().contiguous()
-        tensors["rng_cpu"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            tensors["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        mid_step = self.state.round_index % self.plan.rounds_per_step != 0
-        tensors.update({k: v.detach().cpu().contiguous() for k, v in self.ctx.grads.state_dict(mid_step).items()})
-        strategy_tensors, strategy_meta = self.strategy.state_dict(self.ctx)
-        tensors.update(strategy_tensors)
-        meta = {"rank": self.rank, "world_size": self.world_size, "topology": self.topology,
-                **self.state.state_dict(),
-                "opt_step": state.step, "shard_size": self.flat.shard_size, "numel": self.flat.numel,
-                "accumulation": self.accumulation.state_dict(), **strategy_meta}
-        return tensors, meta
+        return gather_state(self)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, where: str = "the state") -> None:
         """Restore what ``state_dict`` returned (same model, config and world size)."""
-        flat, dev = self.flat, self.device
-        tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
-        # the comm side keeps some of these (a resumed ACCO kept half) and frees them there
-        self.worker.adopt(tensors.values())
-        if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
-            raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
-                             f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
-                             f"{flat.numel}: same model, same trainable parameters and align are needed")
-        state = self.ctx.shard_state
-        state.master.copy_(tensors["opt.master"])
-        state.exp_avg.copy_(tensors["opt.exp_avg"])
-        if state.exp_avg_sq is not None:
-            state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"])
-        state.step = meta["opt_step"]
-        with torch.no_grad():
-            flat.grads[flat.active].copy_(tensors["pending_grad"])
-            self.ctx.gather_buf.copy_(flat.data)
-        self.ctx.grads.load_state_dict(tensors, where)
-        torch.set_rng_state(tensors["rng_cpu"].cpu())
-        if "rng_cuda" in tensors and dev.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng_cuda"].cpu(), dev)
-        self.state.load_state_dict(meta, dev)
-        self.accumulation.load_state_dict(meta.get("accumulation", {}))
-        self.strategy.load_state_dict(self.ctx, tensors, meta)
+        restore_state(self, tensors, meta, where)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._inflight is not None:
-            (self._finish_outer if self.plan.local_steps else self._finish)(self._inflight)
-            self._inflight = None
+        if self.loop.inflight is not None:
+            self.loop.drain()
         self.watchdog.close()
         self.worker.close()
         self.clock.flush()
 
     # ------------------------------------------------------------------ compute side
-    def _accumulate(self, it) -> bool:
-        """Run micro-batches until this round may end; True if the data ran out."""
-        while not self._round_may_end():
-            batch = next(it, _END)
-            if batch is _END:
-                return True
-            self._micro_batch(batch)
-        return False
-
-    def _round_may_end(self) -> bool:
-        """Whether this worker's micro-batches complete the round: its share of them (grow: at
-        least that many, and more while the round in flight is still on the wire)."""
-        cfg = self.cfg
-        grow, least = self.accumulation.grow, self.accumulation.minimum(self.round_index)
-        if self.state.pending_count < least:
-            return False
-        if not grow or self._inflight is None:
-            return True
-        if cfg.max_micro_batches is not None and self.state.pending_count >= cfg.max_micro_batches:
-            return True
-        if self._inflight.done():
-            return True
-        return time.perf_counter() - self._submitted_at > cfg.timeout_s  # _finish names the peer that holds it up
-
     def _micro_batch(self, batch: Any) -> None:
         span = self.clock.start()
         batch = self.placement(batch)
-        loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
-        if not loss.requires_grad:
-            raise RuntimeError("the loss does not require grad: is the model in torch.no_grad(), "
-                               "or are the trainable parameters not used by the loss?")
+        loss = checked_loss(self.loss_fn(self.model, batch))
         loss.backward()
         self.state.pending_count += 1
         self.state.pending_samples += batch_size(batch)
@@ -446,153 +267,33 @@ class Engine(LocalStepsLoop):
         """A micro-batch's time, once known (at once on CPU; on a GPU when its end event is
         reached, so a time may count towards the round after its own: engine/clock.py)."""
         self.accumulation.pacer.on_micro_batch(t1 - t0)
-        self._round_compute_s += t1 - t0
+        self.loop.on_micro_batch(t1 - t0)
         if self.cfg.record_timeline:
             self.timeline.append(("compute", self.rank, t0, t1, round_index))
 
-    def _boundary(self, exhausted: bool) -> bool:
-        """Finish the round in flight, submit the next; True when training must stop."""
-        if self.plan.local_steps:
-            return self._local_boundary(exhausted)
-        if self._inflight is not None:
-            handle, self._inflight = self._inflight, None
-            if self._finish(handle):
-                return True
-        if exhausted and self.state.pending_count == 0 and self.world_size == 1:
-            self._warn_stopped_early([0])
-            return True
-        self.flat.check_grads_attached()
-        handle = self._submit(exhausted)
-        if not self.plan.overlap or exhausted:
-            return self._finish(handle)
-        self._inflight = handle
-        return False
-
-    def _submit(self, exhausted: bool) -> RoundHandle:
-        req = RoundRequest(
-            index=self.round_index, kind=self.plan.kind(self.round_index), step_index=self.step,
-            grad_index=self.flat.active, count=self.state.pending_count, samples=self.state.pending_samples,
-            loss_sum=self.state.pending_loss.clone(), exhausted=exhausted,
-            first_of_step=self.round_index % self.plan.rounds_per_step == 0,
-            micro_batch_s=self._round_compute_s / self.state.pending_count if self.state.pending_count else 0.0)
-        self._round_compute_s = 0.0
-        if self.worker.stream is not None:
-            # the comm stream reads this compute-stream tensor: keep its memory until it has
-            req.loss_sum.record_stream(self.worker.stream)
-        handle = self.worker.submit(req.index, partial(self.strategy.run_round, self.ctx, req))
-        self._submitted_at = time.perf_counter()
-        self.state.round_index += 1
-        self.round_counts.append(req.count)
-        self.watchdog.round = req.index
-        # the compute side moves to the other buffer; the round owns this one until it is done
-        nxt = 1 - self.flat.active
-        self.flat.point_grads(nxt)
-        self.flat.grads[nxt].zero_()
-        self.state.start_accumulator(self.device)
-        return handle
-
-    def _finish(self, handle: RoundHandle) -> bool:
-        """Wait for a round, install its parameters, record a committed step; True to stop."""
-        result = self._wait(handle)
-        with torch.no_grad():
-            self.flat.data.copy_(self.ctx.gather_buf)
-        self._measure(result)
-        self._step_local += result.local_count
-        if result.kind is RoundKind.COMMIT and not result.empty:
-            self._record_step(result)
-        if result.exhausted_ranks:
-            self._warn_stopped_early(result.exhausted_ranks)
-            return True
-        return self.step >= self._stop_at
-
-    def _wait(self, handle: RoundHandle) -> RoundResult:
-        """The round's result, or the error a user should see (a lost peer is named)."""
-        try:
-            return handle.wait(self.cfg.timeout_s)
-        except Exception as exc:
-            err = self._explain(exc, f"round {handle.index} on rank {self.rank}")
-            if err is exc:
-                raise
-            raise err from exc
-
-    def _measure(self, result: RoundResult) -> None:
-        """A finished round's CPU, rounds, bytes and phases, for the next history entry."""
-        # what the other threads (comm, gloo) used since the last round ended: on CPU it is
-        # taken from the compute side's cores
-        proc, main = time.process_time(), time.thread_time()
-        comm_cpu = max(0.0, (proc - self._cpu_mark[0]) - (main - self._cpu_mark[1]))
-        self._cpu_mark = (proc, main)
-        self.comm_cpu_s.append(comm_cpu)
-        self.accumulation.on_round(result.micro_batch_s, comm_cpu)
-        self._step_rounds += 1
-        self._step_bytes += result.bytes_sent
-        if self.cfg.record_timeline:
-            for phase, (a, b) in result.phases.items():
-                self.timeline.append((phase, self.rank, a, b, result.index))
-
-    def _record_step(self, result: RoundResult) -> None:
-        self.state.step += 1
-        now = time.perf_counter()
-        entry = {
-            "step": self.step, "loss": result.loss, "lr": result.lr, "samples": result.samples,
-            "micro_batches": self._step_local, "global_micro_batches": result.count,
-            "wire_bytes": self._step_bytes, "time_s": now - self._clock, "grad_norm": result.grad_norm,
-            "skipped": result.skipped, "bad_ranks": result.bad_ranks, "rounds": self._step_rounds,
-            "min_micro_batches": self.accumulation.pacer.current, **self._link_bytes(),
-        }
-        if result.skipped:
-            log.warning("step %d skipped: %s rank(s) %s; the master, the optimizer state and the "
-                        "error feedback are as before the step", self.step, result.skip_reason or
-                        "non-finite gradient from", result.bad_ranks or "unknown (the reduced sum overflowed)")
-        self.history.append(entry)
-        self._clock = now
-        self._step_rounds = self._step_local = self._step_bytes = 0
-        cfg = self.cfg
-        if ckpt.periodic_due(self):
-            ckpt.save_periodic(self, cfg.checkpoint_dir)
-
-    # ------------------------------------------------------------------ helpers
-    def _link_bytes(self) -> dict:
-        """Bytes this rank sent since the last history entry, to its own node and to others."""
-        c = self.comm.counter
-        intra, inter = c.intra - self._link_mark[0], c.inter - self._link_mark[1]
-        self._link_mark = (c.intra, c.inter)
-        return {"wire_bytes_intra": intra, "wire_bytes_inter": inter}
-
-    def _warn_stopped_early(self, ranks: list[int]) -> None:
+    # ------------------------------------------------------------------ errors
+    def warn_stopped_early(self, ranks: list[int]) -> None:
         log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
                     "accumulated on this rank stay pending and are used if fit() continues",
                     self.step, ranks, self.state.pending_count)
 
-    def _explain(self, exc: Exception, where: str) -> Exception:
+    def explain(self, exc: Exception, where: str) -> Exception:
         """The error a user should see for a failed round: the round's own exception (with
         where it happened), or WorkerLostError when the failure is a peer that died or stalled."""
         if self.world_size > 1 and may_be_peer_failure(exc):
             lost = self.watchdog.diagnose(where)
             if lost.ranks or isinstance(exc, TimeoutError):
                 return lost
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"(raised on the communication side: {where})")
+        exc.add_note(f"(raised on the communication side: {where})")
         return exc
 
     def _require_quiescent(self, what: str) -> None:
-        if self._inflight is not None:
+        if self.loop.inflight is not None:
             raise RuntimeError(f"cannot {what} while a round is in flight")
 
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
-        self._inflight = None
+        self.loop.inflight = None
         if reason == EXIT_PEER:
             self.worker.abort()  # NCCL: ends a lost peer's collective, which wakes the comm thread
         self.watchdog.close(reason)
-
-    def _progress_bar(self):
-        if not self.cfg.progress or self.rank != 0:
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError as exc:
-            raise ImportError("progress=True draws its bar with tqdm: pip install tqdm (or the [hf] extra), "
-                              "or leave progress off") from exc
-
-        return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.strategy}", unit="step")

@@ -35,3 +35,14 @@ def batch_size(batch: Any) -> int:
             if isinstance(item, torch.Tensor) and item.dim():
                 return item.shape[0]
     return 1
+
+
+def checked_loss(loss) -> torch.Tensor:
+    """``loss_fn``'s result, refused unless it is a scalar tensor that requires grad."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                        f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+    if not loss.requires_grad:
+        raise RuntimeError("the loss does not require grad: is the model in torch.no_grad(), "
+                           "or are the trainable parameters not used by the loss?")
+    return loss

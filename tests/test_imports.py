@@ -166,3 +166,17 @@ def test_the_name_check_sees_a_comparison(tmp_path):
         assert strategy_comparisons([probe], _strategy_names()) == ["probe.py:2 onebit_adam", "probe.py:2 diloco"]
     finally:
         ROOT = old
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine owns the lifecycle; the strategy's loop decides what a boundary does
+# ------------------------------------------------------------------------------------------------
+
+def test_engine_py_stays_a_lifecycle_file():
+    src = (ROOT / "engine" / "engine.py").read_text()
+    assert len(src.splitlines()) <= 300, "engine/engine.py grew past 300 lines: move a job to its own file"
+    tree = ast.parse(src)
+    engine_cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    assert engine_cls.bases == [], "Engine mixes in a class: give the job to an object it owns"
+    # no branch on the strategy's shape: the loop (engine/loops/) decides
+    assert "local_steps" not in src

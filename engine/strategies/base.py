@@ -31,6 +31,16 @@ class Strategy:
         (engine/collectives.py ``codec_groups`` adds them to the configured codecs')."""
         return []
 
+    def make_loop(self, engine):
+        """The compute loop that drives this strategy's rounds (engine/loops/): sharded rounds."""
+        from ..loops.sharded import ShardedLoop  # the runtime loads only when an engine is built
+
+        return ShardedLoop(engine)
+
+    @classmethod
+    def check_global_batches(cls, cfg) -> None:
+        """Refuse a GlobalBatches stream (one stream dealt out per round) if the loop cannot deal it."""
+
     def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
         """The fp32 values this rank's optimizer owns at the start, cut from every replica's
         ``full32`` (the padded flat buffer): its shard by default."""

@@ -3,7 +3,7 @@ steps alone on its own full copy of the parameters, and an outer round every H i
 the synchronised parameters ``theta_sync`` (the same on every replica) by the workers' combined
 pseudo-gradients ``Delta_w = theta_sync - theta_w``.
 
-Compute side (the caller's thread; ``Engine._local_boundary`` calls these in this order):
+Compute side (the caller's thread; engine/loops/local_steps.py calls these in this order):
 
     inner_step     one optimizer step of this worker alone on the micro-batches it just ran
     round_due      whether the outer round starts now (every H inner steps, or the period)
@@ -114,6 +114,16 @@ class LocalStepStrategy(Strategy):
             wrong.append("balance='equal' (mixed speeds: outer_period_s)")
         if wrong:
             raise ValueError(f"strategy {cfg.strategy!r} cannot honour this configuration: set " + "; ".join(wrong))
+
+    def make_loop(self, engine):
+        from ..loops.local_steps import LocalStepsLoop  # the runtime loads only when an engine is built
+
+        return LocalStepsLoop(engine)
+
+    @classmethod
+    def check_global_batches(cls, cfg) -> None:
+        raise ValueError(f"strategy {cfg.strategy!r} takes local steps (each worker its own inner "
+                         f"steps): pass each worker its own micro-batches, not GlobalBatches")
 
     # ------------------------------------------------------------------ setup
     def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:

@@ -139,7 +139,7 @@ def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
         monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.host.to_host)
         monkeypatch.setattr(engine.strategies.local_steps, "device_side", lambda t: device_path)
         eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL), mse_loss)
-        real, per_step = eng._inner_step, []
+        real, per_step = eng.loop.inner_step, []
 
         def inner_step():
             calls.clear()
@@ -147,7 +147,7 @@ def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
                 entry = real()
             per_step.append((list(mode.reads), len(calls), list(mode.from_host)))
             return entry
-        eng._inner_step = inner_step
+        eng.loop.inner_step = inner_step
         history = eng.fit(worker_stream(0, 40))
         eng.close()
         assert len(history) == 6 and not any(h["skipped"] for h in history)

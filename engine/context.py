@@ -1,0 +1,52 @@
+"""The round context at engine start: the trainable parameters flattened into one padded buffer,
+every replica started from rank 0's fp32 values, and the reducer and gatherer built around it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from acco_loco.optim import init_state
+
+from .collectives import codec_groups, make_collectives
+from .flat import FlatParams
+from .layout import make_two_level_collectives
+from .rounds import RoundContext
+
+
+def trainable_parameters(model: torch.nn.Module) -> list:
+    """The (name, parameter) pairs that train; refused when there are none."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters (every requires_grad is False): "
+                         "unfreeze at least one parameter")
+    return named
+
+
+def build_context(engine, named: list) -> RoundContext:
+    """``named``: the trainable (name, parameter) pairs. The strategy says which of the fp32
+    values its optimizer owns (``Strategy.initial_values``: a shard, or the whole buffer)."""
+    cfg, device, comm = engine.cfg, engine.device, engine.comm
+    rank, world = comm.rank, comm.world_size
+    # fp32 values of rank 0 define every replica's start and every master shard
+    flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+    dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
+    if not dtype.is_floating_point:
+        raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+    if cfg.compute_dtype != "auto":
+        engine.model.to(dtype)
+    flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
+                      math.lcm(cfg.align, *codec_groups(cfg)), dtype)
+    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
+    padded32[:flat32.numel()] = flat32
+    comm.broadcast_(padded32, src=0)
+    flat.data.copy_(padded32)
+    if engine.topology == "two_level":
+        grads, params = make_two_level_collectives(cfg, comm, engine.layout, flat.padded, device, dtype)
+    else:
+        grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
+    owned = engine.strategy.initial_values(flat, padded32, rank, engine.layout)
+    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec,
+                        shard_state=init_state(owned, engine.spec), grads=grads,
+                        params=params, gather_buf=flat.data.clone())  # what every replica holds

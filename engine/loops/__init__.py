@@ -1,0 +1,4 @@
+"""The compute loops that drive a strategy's rounds. A strategy names its loop
+(``Strategy.make_loop``): sharded rounds (``sharded.ShardedLoop``: zero1, dpu, acco, local_sgd,
+onebit_adam) or local steps (``local_steps.LocalStepsLoop``: diloco, sparseloco). A strategy of
+another shape brings a ``RoundLoop`` subclass of its own."""

@@ -1,0 +1,56 @@
+"""A rank's whole training state as (tensors, JSON-able metadata), assembled from its owners:
+the counters (EngineState), the optimizer's shard, the pending gradient, the RNG, the gradient
+reducer's error state, the batch pacing and what the strategy keeps between rounds."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous()
+
+
+def gather_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
+    state, flat, ctx = engine.ctx.shard_state, engine.flat, engine.ctx
+    tensors = {f"opt.{k}": _cpu(v) for k, v in state.tensors().items()}
+    tensors["pending_grad"] = _cpu(flat.grads[flat.active])
+    tensors["rng_cpu"] = torch.get_rng_state()
+    if engine.device.type == "cuda":
+        tensors["rng_cuda"] = torch.cuda.get_rng_state(engine.device)
+    mid_step = engine.state.round_index % engine.plan.rounds_per_step != 0
+    tensors.update({k: _cpu(v) for k, v in ctx.grads.state_dict(mid_step).items()})
+    strategy_tensors, strategy_meta = engine.strategy.state_dict(ctx)
+    tensors.update(strategy_tensors)
+    meta = {"rank": engine.rank, "world_size": engine.world_size, "topology": engine.topology,
+            **engine.state.state_dict(),
+            "opt_step": state.step, "shard_size": flat.shard_size, "numel": flat.numel,
+            "accumulation": engine.accumulation.state_dict(), **strategy_meta}
+    return tensors, meta
+
+
+def restore_state(engine, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
+    flat, dev, ctx = engine.flat, engine.device, engine.ctx
+    tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
+    # the comm side keeps some of these (a resumed ACCO kept half) and frees them there
+    engine.worker.adopt(tensors.values())
+    if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
+        raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
+                         f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
+                         f"{flat.numel}: same model, same trainable parameters and align are needed")
+    state = ctx.shard_state
+    state.master.copy_(tensors["opt.master"])
+    state.exp_avg.copy_(tensors["opt.exp_avg"])
+    if state.exp_avg_sq is not None:
+        state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"])
+    state.step = meta["opt_step"]
+    with torch.no_grad():
+        flat.grads[flat.active].copy_(tensors["pending_grad"])
+        ctx.gather_buf.copy_(flat.data)
+    ctx.grads.load_state_dict(tensors, where)
+    torch.set_rng_state(tensors["rng_cpu"].cpu())
+    if "rng_cuda" in tensors and dev.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng_cuda"].cpu(), dev)
+    engine.state.load_state_dict(meta, dev)
+    engine.accumulation.load_state_dict(meta.get("accumulation", {}))
+    engine.strategy.load_state_dict(ctx, tensors, meta)
