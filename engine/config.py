@@ -11,8 +11,9 @@ from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES, validate_schedule
 
-from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional
-from .strategies import STRATEGIES
+from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional, setting
+from .strategies import SECTIONS as STRATEGY_SECTIONS
+from .strategies import STRATEGIES, section_class, section_readers, sections_read
 from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
 ACCUMULATION_MODES = ("fixed", "grow")
@@ -25,17 +26,7 @@ STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align", "codec",
                      "group_size", "error_storage", "scale_dtype")
 ERROR_STORAGES = ("int8", "fp32")
 SCALE_DTYPES = ("float32", "bfloat16")
-OUTER_MOMENTUM_KINDS = ("nesterov", "heavy_ball")
-PSEUDO_GRAD_DTYPES = ("float32", "bfloat16")
-SPARSE_AGGREGATES = ("mean", "contributors")
-TOPK_VALUE_BITS = (1, 2, 4, 8)  # what acco_loco/bitpack.py packs
-MAX_TOPK_CHUNK = 2**16  # indices within a chunk fit 16 bits
 SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
-
-
-def setting(default: Any, help: str) -> Any:
-    """A config field with its default and the one-line help that the recipes' flags show."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -120,48 +111,6 @@ class LayoutConfig:
 
 
 @dataclass
-class OuterConfig:
-    """Local-step strategies (diloco, sparseloco; docs/DESIGN.md section 8): every worker takes
-    inner optimizer steps alone, and an outer round merges them every inner_steps steps."""
-
-    inner_steps: int = setting(15, "diloco/sparseloco: inner optimizer steps each worker takes alone "
-                               "between outer rounds (H)")
-    outer_lr: float = setting(0.7, "diloco/sparseloco: learning rate of the outer step on the averaged "
-                              "pseudo-gradient (DiLoCo's 0.7)")
-    outer_momentum: float = setting(0.9, "diloco: momentum of the outer SGD (DiLoCo's 0.9; 0 = none)")
-    outer_momentum_kind: str = setting("nesterov", "diloco: nesterov (DiLoCo) or heavy_ball outer momentum")
-    pseudo_grad_dtype: str = setting("float32", "diloco: dtype of the pseudo-gradient average on the wire")
-    topk_density: float = setting(0.02, "sparseloco: fraction of each chunk's values sent (top-k by magnitude)")
-    topk_chunk: int = setting(4096, "sparseloco: values per top-k chunk (indices take ceil(log2 chunk) bits)")
-    topk_value_bits: int = setting(2, "sparseloco: bits per sent value (1 sign bit + magnitude bits)")
-    sparse_error_beta: float = setting(0.95, "sparseloco: decay of the error-feedback accumulator")
-    sparse_aggregate: str = setting("mean", "sparseloco: mean = sum over workers / R (the paper); "
-                                    "contributors = per value, the mean over the workers that sent it (templar)")
-    outer_overlap: bool = setting(False, "diloco/sparseloco: keep taking inner steps while the outer round "
-                                  "travels, and merge its result one round later")
-    outer_period_s: float | None = setting(None, "diloco/sparseloco: an outer round every this many seconds "
-                                           "instead of every inner_steps (mixed-speed workers; weighted by "
-                                           "samples); none = every inner_steps")
-
-
-@dataclass
-class OnebitConfig:
-    """1-bit Adam (strategy onebit_adam, docs/DESIGN.md section 9): AdamW until the second moment
-    is frozen, then the momentum travels as 1 bit a value each way."""
-
-    onebit_warmup_steps: int | None = setting(None, "onebit_adam: AdamW steps before the second moment is "
-                                              "frozen; none = when it has stabilised (onebit_window, "
-                                              "onebit_tolerance, onebit_min_warmup, onebit_max_warmup_fraction)")
-    onebit_window: int = setting(10, "onebit_adam, variance rule: compare the L1 norm of the bias-corrected "
-                                 "second moment with its value this many AdamW steps earlier")
-    onebit_tolerance: float = setting(0.05, "onebit_adam, variance rule: freeze once that norm moved by at most "
-                                      "this fraction over the window")
-    onebit_min_warmup: int = setting(20, "onebit_adam, variance rule: never freeze before this many AdamW steps")
-    onebit_max_warmup_fraction: float = setting(0.25, "onebit_adam, variance rule: freeze at the latest after "
-                                                "this fraction of max_steps")
-
-
-@dataclass
 class RuntimeConfig:
     """Failure detection, checkpoints, progress and debugging."""
 
@@ -175,25 +124,79 @@ class RuntimeConfig:
     keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/cpu_memory.py)")
 
 
-SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
-            "comm": CommunicationConfig, "layout": LayoutConfig, "outer": OuterConfig, "onebit": OnebitConfig,
-            "runtime": RuntimeConfig}
+# The core sections, by attribute name, in to_dict's order; the strategies' own sections
+# (engine/strategies/__init__.py SECTIONS, e.g. cfg.outer) come between them and runtime.
+CORE_SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
+                 "comm": CommunicationConfig, "layout": LayoutConfig}
+LAST_SECTIONS = {"runtime": RuntimeConfig}
 # the flat keywords of earlier releases (and of the README's example) -> (section, field)
 _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
-FLAT: dict[str, tuple[str, str]] = {
-    **{f.name: (sec, f.name) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-       if (sec, f.name) not in _RENAMED.values()},
-    **_RENAMED}
 
 
-@dataclass(init=False)
+@dataclass(frozen=True)
+class Layout:
+    """Every section and flat name of EngineConfig under the current strategy registry."""
+
+    sections: dict[str, type]  # by attribute name, in to_dict's order
+    strategy_sections: tuple[str, ...]  # those of engine/strategies SECTIONS
+    flat: dict[str, tuple[str, str]]  # flat keyword -> (section, field)
+    rules: dict[str, Rule]  # flat keyword or top-level field -> its rule
+
+
+_layout_cache: dict[tuple, Layout] = {}
+
+
+def layout() -> Layout:
+    """The sections and their rules, the registered strategy sections loaded by name (a section
+    registered later, e.g. by a test, is picked up by the next call)."""
+    key = tuple(STRATEGY_SECTIONS.items())
+    if key not in _layout_cache:
+        _layout_cache.clear()
+        _layout_cache[key] = _build_layout()
+    return _layout_cache[key]
+
+
+def _build_layout() -> Layout:
+    own = {name: section_class(name) for name in STRATEGY_SECTIONS}
+    sections = {**CORE_SECTIONS, **own, **LAST_SECTIONS}
+    top = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
+    clash = set(own) & (set(top) | set(CORE_SECTIONS) | set(LAST_SECTIONS))
+    flat_name = {key: name for name, key in _RENAMED.items()}
+    flat: dict[str, tuple[str, str]] = {}
+    rules = dict(_RULES)
+    for sec, cls in sections.items():
+        names = [f.name for f in dataclasses.fields(cls)]
+        if sec in own:
+            if set(names) ^ set(getattr(cls, "RULES", {})):
+                raise RuntimeError(f"section {sec!r} ({cls.__module__}.{cls.__name__}) and its RULES disagree on "
+                                   f"{sorted(set(names) ^ set(getattr(cls, 'RULES', {})))}: give every field "
+                                   "exactly one rule in its RULES table")
+            rules.update(cls.RULES)
+        for name in names:
+            flat_key = flat_name.get((sec, name), name)
+            if flat_key in flat or flat_key in top:
+                clash.add(flat_key)
+            flat[flat_key] = (sec, name)
+    if clash:
+        raise RuntimeError(f"the strategy sections {sorted(own)} reuse the names {sorted(clash)}: a section's "
+                           "name and its fields' names must be new to EngineConfig")
+    unruled = (set(top) | set(flat)) ^ set(rules)
+    if unruled:  # fails at import (or at the first use of a new section): no field skips validation
+        raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(unruled)}: give every field "
+                           "exactly one rule in engine/config.py (a strategy section's: in its RULES)")
+    return Layout(sections, tuple(own), flat, rules)
+
+
+@dataclass(init=False, eq=False, repr=False)
 class EngineConfig:
     """Every knob of the engine, in typed sections with their defaults in the section classes.
 
     ``EngineConfig(strategy="acco", lr=3e-4, codec="loco4")`` takes the flat keywords (each
     routed to its section) as well as whole sections (``optim=OptimizerConfig(...)``), and
-    ``cfg.lr`` reads ``cfg.optim.lr``. Unknown keywords are refused."""
+    ``cfg.lr`` reads ``cfg.optim.lr``. Unknown keywords are refused. Besides the core sections
+    declared here, every section registered in engine/strategies/__init__.py SECTIONS is one
+    (``cfg.outer``, ``cfg.inner_steps``)."""
 
     strategy: str = setting("acco", "zero1 = synchronous ZeRO-1; dpu = delayed parameter update (one "
                             "step stale); acco = estimate + commit rounds that overlap communication "
@@ -212,19 +215,15 @@ class EngineConfig:
     accumulate: AccumulationConfig = dataclasses.field(default_factory=AccumulationConfig)
     comm: CommunicationConfig = dataclasses.field(default_factory=CommunicationConfig)
     layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
-    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
-    onebit: OnebitConfig = dataclasses.field(default_factory=OnebitConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
-        for f in dataclasses.fields(self):
-            value = kwargs.pop(f.name, dataclasses.MISSING)
-            if f.name in SECTIONS:
-                value = _section(f.name, value)
-            elif value is dataclasses.MISSING:
-                value = f.default
-            object.__setattr__(self, f.name, value)
-        unknown = sorted(set(kwargs) - set(FLAT))
+        lay = layout()
+        for name in self.top_level_names():
+            object.__setattr__(self, name, kwargs.pop(name, _TOP_DEFAULTS[name]))
+        for name, cls in lay.sections.items():
+            object.__setattr__(self, name, _section(name, cls, kwargs.pop(name, dataclasses.MISSING)))
+        unknown = sorted(set(kwargs) - set(lay.flat))
         if unknown:
             raise ValueError(f"unknown EngineConfig fields {unknown}: the fields are "
                              f"{sorted(self.field_names())} (engine/config.py)")
@@ -233,30 +232,45 @@ class EngineConfig:
         self.validate()
 
     def __getattr__(self, name: str) -> Any:
-        if name in FLAT:  # only reached when normal lookup fails: the flat names
-            section, field = FLAT[name]
+        flat = layout().flat
+        if name in flat:  # only reached when normal lookup fails: the flat names
+            section, field = flat[name]
             return getattr(object.__getattribute__(self, section), field)
         raise AttributeError(f"EngineConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in FLAT:
-            section, field = FLAT[name]
+        flat = layout().flat
+        if name in flat:
+            section, field = flat[name]
             setattr(getattr(self, section), field, value)
         else:
             object.__setattr__(self, name, value)
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    @staticmethod
+    def top_level_names() -> list[str]:
+        """The settings that belong to no section (strategy, max_steps, ...)."""
+        return list(_TOP_DEFAULTS)
+
     @staticmethod
     def field_names() -> list[str]:
         """Every setting by its flat name (the top-level fields and each section's)."""
-        return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS] + list(FLAT)
+        return EngineConfig.top_level_names() + list(layout().flat)
 
     def validate(self) -> None:
-        """Type and range of every field (the table _RULES), then the rules between fields.
+        """Type and range of every field (the table _RULES and each strategy section's RULES),
+        then the rules between fields.
 
         Runs at construction; call it again after assigning a field.
         """
+        rules = layout().rules
         for name in self.field_names():
-            _RULES[name](name, getattr(self, name))
+            rules[name](name, getattr(self, name))
         if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
             raise ValueError(f"max_micro_batches ({self.max_micro_batches}) is below micro_batches "
                              f"({self.micro_batches}): raise it or lower micro_batches")
@@ -269,6 +283,7 @@ class EngineConfig:
         # the math layer checks its own inputs too; both must accept what the table accepts
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()
+        self._check_unread_sections()
 
     def _check_accumulation(self) -> None:
         """The batch settings that only make sense together (the world-size check is Engine's)."""
@@ -286,6 +301,22 @@ class EngineConfig:
             raise ValueError("max_micro_batches caps accumulation='grow'; with 'fixed' every round takes "
                              "exactly its share: leave max_micro_batches=None")
 
+    def _check_unread_sections(self) -> None:
+        """A strategy section set away from its defaults under a strategy that does not read it
+        would be ignored: refuse it, naming the strategies that read it (their classes are
+        imported only here, when such a setting is set)."""
+        for name in layout().strategy_sections:
+            section = getattr(self, name)
+            defaults = type(section)()
+            changed = [f"{f.name}={getattr(section, f.name)!r}" for f in dataclasses.fields(section)
+                       if getattr(section, f.name) != getattr(defaults, f.name)]
+            if changed and name not in sections_read(self.strategy):
+                readers = section_readers(name)
+                who = f"strategy {' or '.join(map(repr, readers))} reads it" if readers else "no strategy reads it"
+                raise ValueError(f"{', '.join(changed)} set, but strategy {self.strategy!r} does not read the "
+                                 f"{name!r} section they belong to ({who}): choose such a strategy or leave "
+                                 "them at their defaults")
+
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,
                              weight_decay=self.weight_decay, momentum=self.momentum,
@@ -293,7 +324,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         """Nested, JSON-ready (what a checkpoint's engine.json holds)."""
-        d = dataclasses.asdict(self)
+        d = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in vars(self).items()}
         d["optim"]["betas"] = list(self.betas)
         if self.checkpoint_dir is not None:
             d["runtime"]["checkpoint_dir"] = os.fspath(self.checkpoint_dir)  # JSON has no paths
@@ -313,6 +344,10 @@ class EngineConfig:
         return cls(**d)
 
 
+_TOP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
+                 if f.name not in CORE_SECTIONS and f.name not in LAST_SECTIONS}
+
+
 def _rename_old_values(d: dict) -> None:
     """Values that earlier releases wrote into checkpoints under other names."""
     if d.get("accumulation") == "adaptive":
@@ -322,9 +357,8 @@ def _rename_old_values(d: dict) -> None:
         d["accumulate"] = {**acc, "mode": "grow"}
 
 
-def _section(name: str, value: Any):
+def _section(name: str, cls: type, value: Any):
     """A section from a section object, a dict of its fields, or its defaults."""
-    cls = SECTIONS[name]
     if value is dataclasses.MISSING:
         return cls()
     if isinstance(value, cls):
@@ -332,7 +366,7 @@ def _section(name: str, value: Any):
     if isinstance(value, dict):
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}: see engine/config.py")
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}: see {cls.__module__}")
         return cls(**value)
     raise ValueError(f"{name} must be {cls.__name__}(...) or a dict of its fields, got {value!r}")
 
@@ -358,7 +392,8 @@ class _GradCodecChoice(Choice):
         parse_grad_codec(value)  # its message lists the valid names
 
 
-# One line per field: adding a field to EngineConfig means adding its rule here.
+# One line per field of the core sections: adding one means adding its rule here (a strategy's
+# own section brings its RULES table).
 _RULES: dict[str, Rule] = {
     "strategy": choice(tuple(STRATEGIES) + ("auto",)),  # auto: engine/auto.py resolves it at start
     "micro_batches": integer(1),
@@ -402,29 +437,9 @@ _RULES: dict[str, Rule] = {
     "record_timeline": boolean,
     "poison_freed_buffers": boolean,
     "keep_cpu_memory": boolean,
-    "inner_steps": integer(1),
-    "outer_lr": number(0, low_open=True),
-    "outer_momentum": number(0, 1, high_open=True),
-    "outer_momentum_kind": choice(OUTER_MOMENTUM_KINDS),
-    "pseudo_grad_dtype": choice(PSEUDO_GRAD_DTYPES),
-    "topk_density": number(0, 1, low_open=True),
-    "topk_chunk": Check(f"an integer in [2, {MAX_TOPK_CHUNK}]", lambda v: is_int(v) and 2 <= v <= MAX_TOPK_CHUNK),
-    "topk_value_bits": Check(f"one of {TOPK_VALUE_BITS}", lambda v: is_int(v) and v in TOPK_VALUE_BITS),
-    "sparse_error_beta": number(0, 1),
-    "sparse_aggregate": choice(SPARSE_AGGREGATES),
-    "outer_overlap": boolean,
-    "outer_period_s": optional(number(0, low_open=True), "every inner_steps"),
-    "onebit_warmup_steps": optional(integer(1), "the variance rule decides"),
-    "onebit_window": integer(1),
-    "onebit_tolerance": number(0, low_open=True),
-    "onebit_min_warmup": integer(1),
-    "onebit_max_warmup_fraction": number(0, 1, low_open=True),
 }
 
-_unruled = set(EngineConfig.field_names()) ^ set(_RULES)
-if _unruled:  # fails at import, so a new field cannot skip validation
-    raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(_unruled)}: "
-                       "give every field exactly one rule in engine/config.py")
+layout()  # checks at import that every field has exactly one rule, so none can skip validation
 
 
 # ------------------------------------------------------------------------ settings, described
@@ -438,14 +453,23 @@ class Setting:
     default: Any
     help: str
     choices: tuple[str, ...] | None  # a closed set of names, else None
+    # a strategy's own section: the strategies that read it (their help starts with their
+    # names); () for the core settings, which every strategy reads
+    read_by: tuple[str, ...] = ()
 
 
 def describe_settings() -> dict[str, Setting]:
     """Every setting of EngineConfig (flat names, sections in order) with its default, help and
-    choices: what recipes generate their flags from."""
-    found = [("engine", f) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
-    found += [(sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
-    flat_name = {key: name for name, key in FLAT.items()}
-    names = [(flat_name.get((sec, f.name), f.name), sec, f) for sec, f in found]
-    return {name: Setting(name, sec, str(f.type), f.default, f.metadata["help"],
-                          getattr(_RULES[name], "options", None)) for name, sec, f in names}
+    choices: what recipes generate their flags from. The settings of a strategy's own section
+    say which strategies read it (this imports the registered strategies' classes)."""
+    lay = layout()
+    flat_name = {key: name for name, key in lay.flat.items()}
+    found = [("engine", f.name, f) for f in dataclasses.fields(EngineConfig) if f.name not in lay.sections]
+    found += [(sec, flat_name[sec, f.name], f) for sec, cls in lay.sections.items() for f in dataclasses.fields(cls)]
+    readers = {sec: section_readers(sec) for sec in lay.strategy_sections}
+    out = {}
+    for sec, name, f in found:
+        by = readers.get(sec, ())
+        text = f"{'/'.join(by) or 'no strategy'}: {f.metadata['help']}" if sec in readers else f.metadata["help"]
+        out[name] = Setting(name, sec, str(f.type), f.default, text, getattr(lay.rules[name], "options", None), by)
+    return out
