@@ -1,131 +1,38 @@
-"""EngineConfig: every knob of the engine, typed, with its default in code."""
+"""EngineConfig: every knob of the engine, typed, with its default in code.
+
+The settings live in sections, each a dataclass of ``setting(...)`` fields with its own RULES
+table: the core ones in engine/sections.py, and each strategy's own (diloco and sparseloco's
+``outer``, onebit_adam's ``onebit``) in a file beside the strategy, registered in
+engine/strategies/__init__.py ``SECTIONS``. EngineConfig gathers them (``config_layout``): a new
+strategy section changes nothing here."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from acco_loco.optim import OPTIMIZERS, OptimizerSpec, finite_number as _finite
-from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
-from acco_loco.schedule import SCHEDULES, validate_schedule
+from acco_loco.optim import OptimizerSpec
+from acco_loco.schedule import validate_schedule
 
-from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional, setting
+from .rules import Check, Choice, Rule, choice, integer, is_int, setting
+from .sections import (AccumulationConfig, CommunicationConfig, LayoutConfig, OptimizerConfig, RuntimeConfig,
+                       ScheduleConfig)
 from .strategies import SECTIONS as STRATEGY_SECTIONS
 from .strategies import STRATEGIES, section_class, section_readers, sections_read
-from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
-ACCUMULATION_MODES = ("fixed", "grow")
-BALANCES = ("equal", "speed")
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 # Fields that decide the trajectory's structure: a checkpoint refuses to resume under others.
 STRUCTURAL_FIELDS = ("strategy", "optimizer", "compute_dtype", "align", "codec", "param_codec",
                      "group_size", "error_storage", "scale_dtype")
-ERROR_STORAGES = ("int8", "fp32")
-SCALE_DTYPES = ("float32", "bfloat16")
-SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
-
-@dataclass
-class OptimizerConfig:
-    """The shard optimizer (one flat fp32 shard per worker)."""
-
-    name: str = setting("adamw", "shard optimizer")  # flat keyword: optimizer
-    lr: float = setting(3e-4, "peak learning rate")
-    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's (beta1, beta2)")
-    eps: float = setting(1e-8, "AdamW's epsilon")
-    weight_decay: float = setting(0.0, "decoupled weight decay")
-    momentum: float = setting(0.9, "SGD momentum")
-    nesterov: bool = setting(False, "SGD: Nesterov momentum")
-    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; none = no clipping")
-
-
-@dataclass
-class ScheduleConfig:
-    """The learning rate over committed steps (its horizon is EngineConfig.max_steps)."""
-
-    kind: str = setting("constant", "lr after warmup: constant, or a linear / cosine decay to "
-                        "min_lr_ratio x lr at max_steps")  # flat keyword: lr_schedule
-    warmup_steps: int = setting(0, "steps of linear lr warmup")
-    min_lr_ratio: float = setting(0.0, "the decay's final lr as a fraction of lr")
-
-
-@dataclass
-class AccumulationConfig:
-    """How many micro-batches a step and each of its rounds take."""
-
-    mode: str = setting("fixed", "fixed = the batch you set, every step (global_micro_batches, or "
-                        "micro_batches per worker and round); grow = keep accumulating while the "
-                        "round in flight is still on the wire, so the batch grows with the link's "
-                        "delay (at least micro_batches, at most max_micro_batches per round)")  # flat keyword: accumulation
-    global_micro_batches: int | None = setting(
-        None, "fixed: micro-batches per optimizer step, all workers and rounds together (the global "
-        "batch is this times the micro-batch size; acco splits it over its estimate and commit "
-        "rounds); none = micro_batches per worker and round")
-    balance: str = setting("equal", "with global_micro_batches: how a round's micro-batches are shared "
-                           "out: equal, or speed = in proportion to each worker's measured speed "
-                           "(mixed GPUs; the step's batch stays the same)")
-    micro_batches: int = setting(1, "micro-batches per worker and round (fixed without "
-                                 "global_micro_batches), or the minimum per round (grow)")
-    max_micro_batches: int | None = setting(None, "grow: the most micro-batches per round; none = no cap")
-    # grow, CPU: raise the minimum per round so that the comm side's CPU per round stays
-    # below this fraction of the round's compute (engine/pacing.py)
-    max_round_overhead: float = setting(0.15, "grow on CPU (acco, dpu): raise the minimum micro-batches "
-                                        "per round until the comm side's CPU per round is at most this "
-                                        "fraction of the round's compute (0 = off: rounds end when the "
-                                        "one in flight is done)")
-
-
-@dataclass
-class CommunicationConfig:
-    """What goes on the wire and how (codecs: acco_loco/registry.py)."""
-
-    codec: str = setting("none", "gradients on the wire: none (uncompressed), int<bits> (plain), "
-                         "ef<bits> (classic error feedback), loco<bits> (LoCo error compensation), "
-                         "sign1 (sign x RMS), fp16")
-    param_codec: str = setting("auto", "parameter updates on the wire: auto (the compute dtype), "
-                               "float32, bfloat16, or int8/int4 deltas")
-    group_size: int = setting(128, "values per quantization group (a multiple of 8)")
-    align: int = setting(128, "shards are multiples of this many values")
-    loco_beta: float = setting(0.8, "LoCo: weight of the moving average of past errors")
-    reset_period: int = setting(1024, "committed steps between error-feedback resets")
-    error_storage: str = setting("int8", "how error feedback is stored: int8 (LoCo's 8-bit errors) or fp32")
-    scale_dtype: str = setting("float32", "dtype of the group scales on the wire")
-    stochastic_rounding: bool = setting(False, "quantize with stochastic instead of nearest rounding")
-    comm_chunks: int = setting(1, "split each collective into this many async pieces (gloo speed)")
-
-
-@dataclass
-class LayoutConfig:
-    """Where the ranks sit and which exchange runs over them (engine/topology.py)."""
-
-    topology: str = setting("auto", "auto = two-level when the run has at least 2 nodes of at least 2 ranks "
-                            "(a full-precision reduce-scatter inside each node, then only the node's sum "
-                            "crosses the network, 1/G per rank over its rail), flat otherwise; flat = one "
-                            "exchange over all ranks; two_level = insist on it")
-    ranks_per_node: int | None = setting(None, "ranks per node (G); none = the launcher's LOCAL_WORLD_SIZE "
-                                         "(torchrun, accelerate launch), or 1 when it is not set")
-
-
-@dataclass
-class RuntimeConfig:
-    """Failure detection, checkpoints, progress and debugging."""
-
-    timeout_s: float = setting(300.0, "seconds a silent peer may take before it is reported as lost")
-    heartbeat_s: float = setting(1.0, "seconds between liveness heartbeats (at most timeout_s / 3)")
-    checkpoint_dir: str | os.PathLike | None = setting(None, "where checkpoints go (to_dict stores a str)")
-    checkpoint_every: int = setting(0, "committed steps between checkpoints (0 = never)")
-    progress: bool = setting(False, "a progress bar on rank 0")
-    record_timeline: bool = setting(False, "per-round timestamps in engine.timeline")
-    poison_freed_buffers: bool = setting(False, "debug: NaN-fill gradient buffers once released")
-    keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/cpu_memory.py)")
-
-
-# The core sections, by attribute name, in to_dict's order; the strategies' own sections
-# (engine/strategies/__init__.py SECTIONS, e.g. cfg.outer) come between them and runtime.
+# The core sections by attribute name, in to_dict's order; the strategies' own sections
+# (cfg.outer, ...) come between these and runtime.
 CORE_SECTIONS = {"optim": OptimizerConfig, "schedule": ScheduleConfig, "accumulate": AccumulationConfig,
                  "comm": CommunicationConfig, "layout": LayoutConfig}
 LAST_SECTIONS = {"runtime": RuntimeConfig}
@@ -134,58 +41,40 @@ _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Every section and flat name of EngineConfig under the current strategy registry."""
 
     sections: dict[str, type]  # by attribute name, in to_dict's order
-    strategy_sections: tuple[str, ...]  # those of engine/strategies SECTIONS
+    strategy_sections: tuple[str, ...]  # those registered in engine/strategies SECTIONS
     flat: dict[str, tuple[str, str]]  # flat keyword -> (section, field)
     rules: dict[str, Rule]  # flat keyword or top-level field -> its rule
 
 
-_layout_cache: dict[tuple, Layout] = {}
+def config_layout() -> Layout:
+    """The sections, flat names and rules; a section registered later (a test's) is picked up."""
+    return _layout(tuple(STRATEGY_SECTIONS.items()))
 
 
-def layout() -> Layout:
-    """The sections and their rules, the registered strategy sections loaded by name (a section
-    registered later, e.g. by a test, is picked up by the next call)."""
-    key = tuple(STRATEGY_SECTIONS.items())
-    if key not in _layout_cache:
-        _layout_cache.clear()
-        _layout_cache[key] = _build_layout()
-    return _layout_cache[key]
-
-
-def _build_layout() -> Layout:
-    own = {name: section_class(name) for name in STRATEGY_SECTIONS}
+@functools.lru_cache(maxsize=1)
+def _layout(registry: tuple[tuple[str, str], ...]) -> Layout:
+    own = {name: section_class(name) for name, _ in registry}
     sections = {**CORE_SECTIONS, **own, **LAST_SECTIONS}
-    top = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in sections]
-    clash = set(own) & (set(top) | set(CORE_SECTIONS) | set(LAST_SECTIONS))
     flat_name = {key: name for name, key in _RENAMED.items()}
-    flat: dict[str, tuple[str, str]] = {}
-    rules = dict(_RULES)
-    for sec, cls in sections.items():
-        names = [f.name for f in dataclasses.fields(cls)]
-        if sec in own:
-            if set(names) ^ set(getattr(cls, "RULES", {})):
-                raise RuntimeError(f"section {sec!r} ({cls.__module__}.{cls.__name__}) and its RULES disagree on "
-                                   f"{sorted(set(names) ^ set(getattr(cls, 'RULES', {})))}: give every field "
-                                   "exactly one rule in its RULES table")
-            rules.update(cls.RULES)
-        for name in names:
-            flat_key = flat_name.get((sec, name), name)
-            if flat_key in flat or flat_key in top:
-                clash.add(flat_key)
-            flat[flat_key] = (sec, name)
+    pairs = [(flat_name.get((sec, f.name), f.name), sec, f.name)
+             for sec, cls in sections.items() for f in dataclasses.fields(cls)]
+    names = [*_RULES, *(name for name, _, _ in pairs), *CORE_SECTIONS, *own, *LAST_SECTIONS]
+    clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
-        raise RuntimeError(f"the strategy sections {sorted(own)} reuse the names {sorted(clash)}: a section's "
-                           "name and its fields' names must be new to EngineConfig")
-    unruled = (set(top) | set(flat)) ^ set(rules)
-    if unruled:  # fails at import (or at the first use of a new section): no field skips validation
-        raise RuntimeError(f"EngineConfig fields and _RULES disagree on {sorted(unruled)}: give every field "
-                           "exactly one rule in engine/config.py (a strategy section's: in its RULES)")
-    return Layout(sections, tuple(own), flat, rules)
+        raise RuntimeError(f"the names {clash} are taken twice: a strategy section's name and its fields' "
+                           f"names (engine/strategies SECTIONS: {sorted(own)}) must be new to EngineConfig")
+    unruled = sorted(set(_RULES) ^ set(_TOP_DEFAULTS)) + sorted(
+        f"{sec}.{name}" for sec, cls in sections.items()
+        for name in {f.name for f in dataclasses.fields(cls)} ^ set(getattr(cls, "RULES", {})))
+    if unruled:  # fails at import (or at a new section's first use): no field skips validation
+        raise RuntimeError(f"fields and rules disagree on {unruled}: give every field exactly one rule (a "
+                           "section's field in the section's RULES, a top-level one in engine/config.py _RULES)")
+    rules = {**_RULES, **{name: sections[sec].RULES[field] for name, sec, field in pairs}}
+    return Layout(sections, tuple(own), {name: (sec, field) for name, sec, field in pairs}, rules)
 
 
 @dataclass(init=False, eq=False, repr=False)
@@ -218,9 +107,9 @@ class EngineConfig:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
-        lay = layout()
-        for name in self.top_level_names():
-            object.__setattr__(self, name, kwargs.pop(name, _TOP_DEFAULTS[name]))
+        lay = config_layout()
+        for name, default in _TOP_DEFAULTS.items():
+            object.__setattr__(self, name, kwargs.pop(name, default))
         for name, cls in lay.sections.items():
             object.__setattr__(self, name, _section(name, cls, kwargs.pop(name, dataclasses.MISSING)))
         unknown = sorted(set(kwargs) - set(lay.flat))
@@ -232,14 +121,14 @@ class EngineConfig:
         self.validate()
 
     def __getattr__(self, name: str) -> Any:
-        flat = layout().flat
+        flat = config_layout().flat
         if name in flat:  # only reached when normal lookup fails: the flat names
             section, field = flat[name]
             return getattr(object.__getattribute__(self, section), field)
         raise AttributeError(f"EngineConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        flat = layout().flat
+        flat = config_layout().flat
         if name in flat:
             section, field = flat[name]
             setattr(getattr(self, section), field, value)
@@ -253,22 +142,17 @@ class EngineConfig:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     @staticmethod
-    def top_level_names() -> list[str]:
-        """The settings that belong to no section (strategy, max_steps, ...)."""
-        return list(_TOP_DEFAULTS)
-
-    @staticmethod
     def field_names() -> list[str]:
         """Every setting by its flat name (the top-level fields and each section's)."""
-        return EngineConfig.top_level_names() + list(layout().flat)
+        return list(_TOP_DEFAULTS) + list(config_layout().flat)
 
     def validate(self) -> None:
-        """Type and range of every field (the table _RULES and each strategy section's RULES),
-        then the rules between fields.
+        """Type and range of every field (_RULES and each section's RULES), then the rules
+        between fields.
 
         Runs at construction; call it again after assigning a field.
         """
-        rules = layout().rules
+        rules = config_layout().rules
         for name in self.field_names():
             rules[name](name, getattr(self, name))
         if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
@@ -305,7 +189,7 @@ class EngineConfig:
         """A strategy section set away from its defaults under a strategy that does not read it
         would be ignored: refuse it, naming the strategies that read it (their classes are
         imported only here, when such a setting is set)."""
-        for name in layout().strategy_sections:
+        for name in config_layout().strategy_sections:
             section = getattr(self, name)
             defaults = type(section)()
             changed = [f"{f.name}={getattr(section, f.name)!r}" for f in dataclasses.fields(section)
@@ -371,75 +255,25 @@ def _section(name: str, cls: type, value: Any):
     raise ValueError(f"{name} must be {cls.__name__}(...) or a dict of its fields, got {value!r}")
 
 
-# ------------------------------------------------------------------------ the per-field rules
-_betas = Check("a pair (beta1, beta2) of finite numbers in [0, 1)",
-               lambda v: isinstance(v, (tuple, list)) and len(v) == 2
-               and all(_finite(b) and 0 <= b < 1 for b in v))
+# ------------------------------------------------------------------------ the top-level rules
+class _StrategyChoice(Choice):
+    """A strategy registered now (a test or a plugin may add one), or auto (engine/auto.py)."""
 
-_seed = Check("an integer in [0, 2**32)", lambda v: is_int(v) and 0 <= v < SEED_LIMIT)
+    def __init__(self) -> None:
+        pass
 
-_group_size = Check("a positive multiple of 8", lambda v: is_int(v) and v > 0 and v % 8 == 0)
-
-_checkpoint_dir = Check("None or a non-empty path (a str or os.PathLike)",
-                        lambda v: v is None or isinstance(v, (str, os.PathLike))
-                        and isinstance(os.fspath(v), str) and os.fspath(v) != "")
+    options = property(lambda self: (*STRATEGIES, "auto"))
 
 
-class _GradCodecChoice(Choice):
-    def __call__(self, name: str, value: Any) -> None:
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
-        parse_grad_codec(value)  # its message lists the valid names
-
-
-# One line per field of the core sections: adding one means adding its rule here (a strategy's
-# own section brings its RULES table).
-_RULES: dict[str, Rule] = {
-    "strategy": choice(tuple(STRATEGIES) + ("auto",)),  # auto: engine/auto.py resolves it at start
-    "micro_batches": integer(1),
-    "accumulation": Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
-    "global_micro_batches": optional(integer(1), "micro_batches per worker and round"),
-    "balance": choice(BALANCES),
-    "max_micro_batches": optional(integer(1), "no cap"),
-    "max_round_overhead": number(0, 1, high_open=True, note="0 turns it off"),
+_RULES: dict[str, Rule] = {  # the sections' fields bring theirs (their RULES)
+    "strategy": _StrategyChoice(),
     "max_steps": integer(1),
-    "optimizer": choice(tuple(OPTIMIZERS)),
-    "lr": number(0, low_open=True),
-    "betas": _betas,
-    "eps": number(0, low_open=True),
-    "weight_decay": number(0),
-    "momentum": number(0, 1, high_open=True),
-    "nesterov": boolean,
-    "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
-    "lr_schedule": choice(SCHEDULES),
-    "warmup_steps": integer(0),
-    "min_lr_ratio": number(0, 1),
     "compute_dtype": choice(COMPUTE_DTYPES),
-    "align": integer(1),
     "nan_policy": choice(NAN_POLICIES),
-    "seed": _seed,
-    "codec": _GradCodecChoice(tuple(GRAD_CODECS)),
-    "param_codec": choice(PARAM_CODECS),
-    "group_size": _group_size,
-    "loco_beta": number(0, 1, high_open=True),
-    "reset_period": integer(1),
-    "error_storage": choice(ERROR_STORAGES),
-    "scale_dtype": choice(SCALE_DTYPES),
-    "stochastic_rounding": boolean,
-    "timeout_s": number(0, low_open=True),
-    "heartbeat_s": number(0, low_open=True),
-    "comm_chunks": integer(1),
-    "topology": choice(TOPOLOGIES),
-    "ranks_per_node": optional(integer(1), "the launcher's LOCAL_WORLD_SIZE"),
-    "checkpoint_dir": _checkpoint_dir,
-    "checkpoint_every": integer(0),
-    "progress": boolean,
-    "record_timeline": boolean,
-    "poison_freed_buffers": boolean,
-    "keep_cpu_memory": boolean,
+    "seed": Check("an integer in [0, 2**32)", lambda v: is_int(v) and 0 <= v < SEED_LIMIT),
 }
 
-layout()  # checks at import that every field has exactly one rule, so none can skip validation
+config_layout()  # checks at import that every field has exactly one rule, so none can skip validation
 
 
 # ------------------------------------------------------------------------ settings, described
@@ -462,7 +296,7 @@ def describe_settings() -> dict[str, Setting]:
     """Every setting of EngineConfig (flat names, sections in order) with its default, help and
     choices: what recipes generate their flags from. The settings of a strategy's own section
     say which strategies read it (this imports the registered strategies' classes)."""
-    lay = layout()
+    lay = config_layout()
     flat_name = {key: name for name, key in lay.flat.items()}
     found = [("engine", f.name, f) for f in dataclasses.fields(EngineConfig) if f.name not in lay.sections]
     found += [(sec, flat_name[sec, f.name], f) for sec, cls in lay.sections.items() for f in dataclasses.fields(cls)]
