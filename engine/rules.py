@@ -1,7 +1,7 @@
 """The building blocks of EngineConfig's settings: ``setting`` (a field's default and help) and
-the per-field rules, each of which checks one value and says what is allowed in its error message
-(engine/config.py holds the core sections' table, a strategy's section file its own; one rule per
-field). No torch and no runtime here: a strategy's section file imports only this."""
+the per-field rules, each of which checks one value and says what is allowed in its error message.
+Each section holds its table, one rule per field (engine/sections.py for the core sections, a
+strategy's section file for its own); a section file imports nothing of the runtime but this."""
 
 from __future__ import annotations
 
