@@ -1,8 +1,11 @@
-"""The building blocks of EngineConfig's per-field rules: each checks one value and says what is
-allowed in its error message (engine/config.py holds the table, one rule per field)."""
+"""The building blocks of EngineConfig's settings: ``setting`` (a field's default and help) and
+the per-field rules, each of which checks one value and says what is allowed in its error message.
+Each section holds its table, one rule per field (engine/sections.py for the core sections, a
+strategy's section file for its own); a section file imports nothing of the runtime but this."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -10,6 +13,11 @@ from typing import Any, Callable
 from acco_loco.optim import finite_number as _finite
 
 Rule = Callable[[str, Any], None]  # (field name, value) -> None, or raises ValueError
+
+
+def setting(default: Any, help: str) -> Any:
+    """A config field with its default and the one-line help that the recipes' flags show."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def is_int(value: Any) -> bool:

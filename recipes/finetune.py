@@ -139,7 +139,7 @@ def _engine_field(s: Setting) -> tuple[str, str, dataclasses.Field]:
     default = RECIPE_DEFAULTS.get(s.name, s.default)
     return s.name, s.type, field(default=default, metadata={
         "help": RECIPE_HELP.get(s.name, s.help), "choices": s.choices, "engine": True,
-        "section": s.section})
+        "section": s.section, "read_by": s.read_by})
 
 
 # The recipe's whole configuration: its own settings, then one field per engine setting it
@@ -192,8 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups = {"recipe": p.add_argument_group("recipe: model, data, output, evaluation")}
     for f in dataclasses.fields(FinetuneConfig):
-        section = f.metadata.get("section")
+        section, read_by = f.metadata.get("section"), f.metadata.get("read_by")
         title = "recipe" if section is None else "engine" if section == "engine" else f"engine: {section}"
+        if title not in groups and read_by:  # a strategy's own section
+            groups[title] = p.add_argument_group(
+                f"{title} (strategy {', '.join(read_by)})",
+                f"read only by {'strategies' if len(read_by) > 1 else 'strategy'} {' and '.join(read_by)}; "
+                "set away from their defaults under another strategy, they are refused")
         group = groups.setdefault(title, p.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):

@@ -1,6 +1,13 @@
 """Data-parallel strategies, one file each, by config name. A new strategy is a file with a
 ``Strategy`` subclass plus a line here ("module:Class", imported when first used, so the config
-can check names without importing the runtime)."""
+can check names without importing the runtime).
+
+A strategy with settings of its own also has a section: a dataclass of ``setting(...)`` fields
+with its ``RULES`` table, in a file of its own that imports neither torch nor the runtime
+(outer_config.py, onebit_config.py), plus a line in ``SECTIONS``; the strategy class names the
+sections it reads (``sections = ("outer",)``). EngineConfig picks every registered section up
+(its flat keywords, rules, to_dict/from_dict and the recipes' flags); nothing in
+engine/config.py changes."""
 
 from __future__ import annotations
 
@@ -16,13 +23,39 @@ STRATEGIES: dict[str, str] = {
     "onebit_adam": "engine.strategies.onebit_adam:OnebitAdam",
 }
 
+# the strategies' own config sections, by section name (EngineConfig's attribute: cfg.outer)
+SECTIONS: dict[str, str] = {
+    "outer": "engine.strategies.outer_config:OuterConfig",  # diloco, sparseloco
+    "onebit": "engine.strategies.onebit_config:OnebitConfig",  # onebit_adam
+}
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def strategy_class(name: str):
     """The ``Strategy`` subclass registered as ``name`` (a key of STRATEGIES)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}: choose one of {sorted(STRATEGIES)}")
-    module, cls_name = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls_name)
+    return _load(STRATEGIES[name])
+
+
+def section_class(name: str):
+    """The dataclass of the section registered as ``name`` (a key of SECTIONS); it imports no torch."""
+    return _load(SECTIONS[name])
+
+
+def sections_read(strategy: str) -> tuple[str, ...]:
+    """The sections of SECTIONS that strategy ``strategy`` reads (its class's ``sections``); none
+    for a name that is not registered ("auto" resolves to a strategy that reads none)."""
+    return tuple(strategy_class(strategy).sections) if strategy in STRATEGIES else ()
+
+
+def section_readers(section: str) -> tuple[str, ...]:
+    """The registered strategies that read ``section``, in registry order (imports them all)."""
+    return tuple(name for name in STRATEGIES if section in sections_read(name))
 
 
 def make_strategy(cfg):

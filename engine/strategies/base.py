@@ -17,6 +17,9 @@ class Strategy:
     plan: RoundPlan
     # whether its rounds run the two-level exchange when the layout asks for it (engine/topology.py)
     two_level = False
+    # the config sections of engine/strategies/__init__.py SECTIONS that it reads: set away from
+    # their defaults under a strategy that does not read them, EngineConfig refuses them
+    sections: tuple[str, ...] = ()
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError

@@ -74,6 +74,7 @@ class OnebitAdam(ShardedStrategy):
     # two-level: a node is one 1-bit Adam worker; each rank keeps its slice of the state and its
     # rail carries the 1-bit rows (docs/DESIGN.md section 11.5)
     two_level = True
+    sections = ("onebit",)  # its settings: engine/strategies/onebit_config.py
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
 
     def __init__(self, cfg) -> None:

@@ -1,0 +1,190 @@
+"""The core sections of EngineConfig, each a dataclass of ``setting(...)`` fields (default and
+help) with its ``RULES`` table, one rule per field (engine/rules.py). The strategies' own
+sections have the same form, one file each under engine/strategies/ (outer_config.py,
+onebit_config.py); engine/config.py gathers them all."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from acco_loco.optim import OPTIMIZERS, finite_number as _finite
+from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
+from acco_loco.schedule import SCHEDULES
+
+from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional, setting
+from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
+
+ACCUMULATION_MODES = ("fixed", "grow")
+BALANCES = ("equal", "speed")
+ERROR_STORAGES = ("int8", "fp32")
+SCALE_DTYPES = ("float32", "bfloat16")
+
+_betas = Check("a pair (beta1, beta2) of finite numbers in [0, 1)",
+               lambda v: isinstance(v, (tuple, list)) and len(v) == 2
+               and all(_finite(b) and 0 <= b < 1 for b in v))
+
+_group_size = Check("a positive multiple of 8", lambda v: is_int(v) and v > 0 and v % 8 == 0)
+
+_checkpoint_dir = Check("None or a non-empty path (a str or os.PathLike)",
+                        lambda v: v is None or isinstance(v, (str, os.PathLike))
+                        and isinstance(os.fspath(v), str) and os.fspath(v) != "")
+
+
+class _GradCodecChoice(Choice):
+    def __call__(self, name: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a codec name such as 'none', 'int8' or 'loco4', got {value!r}")
+        parse_grad_codec(value)  # its message lists the valid names
+
+
+
+@dataclass
+class OptimizerConfig:
+    """The shard optimizer (one flat fp32 shard per worker)."""
+
+    name: str = setting("adamw", "shard optimizer")  # flat keyword: optimizer
+    lr: float = setting(3e-4, "peak learning rate")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's (beta1, beta2)")
+    eps: float = setting(1e-8, "AdamW's epsilon")
+    weight_decay: float = setting(0.0, "decoupled weight decay")
+    momentum: float = setting(0.9, "SGD momentum")
+    nesterov: bool = setting(False, "SGD: Nesterov momentum")
+    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; none = no clipping")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "name": choice(tuple(OPTIMIZERS)),
+        "lr": number(0, low_open=True),
+        "betas": _betas,
+        "eps": number(0, low_open=True),
+        "weight_decay": number(0),
+        "momentum": number(0, 1, high_open=True),
+        "nesterov": boolean,
+        "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
+    }
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate over committed steps (its horizon is EngineConfig.max_steps)."""
+
+    kind: str = setting("constant", "lr after warmup: constant, or a linear / cosine decay to "
+                        "min_lr_ratio x lr at max_steps")  # flat keyword: lr_schedule
+    warmup_steps: int = setting(0, "steps of linear lr warmup")
+    min_lr_ratio: float = setting(0.0, "the decay's final lr as a fraction of lr")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "kind": choice(SCHEDULES),
+        "warmup_steps": integer(0),
+        "min_lr_ratio": number(0, 1),
+    }
+
+
+@dataclass
+class AccumulationConfig:
+    """How many micro-batches a step and each of its rounds take."""
+
+    mode: str = setting("fixed", "fixed = the batch you set, every step (global_micro_batches, or "
+                        "micro_batches per worker and round); grow = keep accumulating while the "
+                        "round in flight is still on the wire, so the batch grows with the link's "
+                        "delay (at least micro_batches, at most max_micro_batches per round)")  # flat keyword: accumulation
+    global_micro_batches: int | None = setting(
+        None, "fixed: micro-batches per optimizer step, all workers and rounds together (the global "
+        "batch is this times the micro-batch size; acco splits it over its estimate and commit "
+        "rounds); none = micro_batches per worker and round")
+    balance: str = setting("equal", "with global_micro_batches: how a round's micro-batches are shared "
+                           "out: equal, or speed = in proportion to each worker's measured speed "
+                           "(mixed GPUs; the step's batch stays the same)")
+    micro_batches: int = setting(1, "micro-batches per worker and round (fixed without "
+                                 "global_micro_batches), or the minimum per round (grow)")
+    max_micro_batches: int | None = setting(None, "grow: the most micro-batches per round; none = no cap")
+    # grow, CPU: raise the minimum per round so that the comm side's CPU per round stays
+    # below this fraction of the round's compute (engine/pacing.py)
+    max_round_overhead: float = setting(0.15, "grow on CPU (acco, dpu): raise the minimum micro-batches "
+                                        "per round until the comm side's CPU per round is at most this "
+                                        "fraction of the round's compute (0 = off: rounds end when the "
+                                        "one in flight is done)")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "mode": Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
+        "global_micro_batches": optional(integer(1), "micro_batches per worker and round"),
+        "balance": choice(BALANCES),
+        "micro_batches": integer(1),
+        "max_micro_batches": optional(integer(1), "no cap"),
+        "max_round_overhead": number(0, 1, high_open=True, note="0 turns it off"),
+    }
+
+
+@dataclass
+class CommunicationConfig:
+    """What goes on the wire and how (codecs: acco_loco/registry.py)."""
+
+    codec: str = setting("none", "gradients on the wire: none (uncompressed), int<bits> (plain), "
+                         "ef<bits> (classic error feedback), loco<bits> (LoCo error compensation), "
+                         "sign1 (sign x RMS), fp16")
+    param_codec: str = setting("auto", "parameter updates on the wire: auto (the compute dtype), "
+                               "float32, bfloat16, or int8/int4 deltas")
+    group_size: int = setting(128, "values per quantization group (a multiple of 8)")
+    align: int = setting(128, "shards are multiples of this many values")
+    loco_beta: float = setting(0.8, "LoCo: weight of the moving average of past errors")
+    reset_period: int = setting(1024, "committed steps between error-feedback resets")
+    error_storage: str = setting("int8", "how error feedback is stored: int8 (LoCo's 8-bit errors) or fp32")
+    scale_dtype: str = setting("float32", "dtype of the group scales on the wire")
+    stochastic_rounding: bool = setting(False, "quantize with stochastic instead of nearest rounding")
+    comm_chunks: int = setting(1, "split each collective into this many async pieces (gloo speed)")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "codec": _GradCodecChoice(tuple(GRAD_CODECS)),
+        "param_codec": choice(PARAM_CODECS),
+        "group_size": _group_size,
+        "align": integer(1),
+        "loco_beta": number(0, 1, high_open=True),
+        "reset_period": integer(1),
+        "error_storage": choice(ERROR_STORAGES),
+        "scale_dtype": choice(SCALE_DTYPES),
+        "stochastic_rounding": boolean,
+        "comm_chunks": integer(1),
+    }
+
+
+@dataclass
+class LayoutConfig:
+    """Where the ranks sit and which exchange runs over them (engine/topology.py)."""
+
+    topology: str = setting("auto", "auto = two-level when the run has at least 2 nodes of at least 2 ranks "
+                            "(a full-precision reduce-scatter inside each node, then only the node's sum "
+                            "crosses the network, 1/G per rank over its rail), flat otherwise; flat = one "
+                            "exchange over all ranks; two_level = insist on it")
+    ranks_per_node: int | None = setting(None, "ranks per node (G); none = the launcher's LOCAL_WORLD_SIZE "
+                                         "(torchrun, accelerate launch), or 1 when it is not set")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "topology": choice(TOPOLOGIES),
+        "ranks_per_node": optional(integer(1), "the launcher's LOCAL_WORLD_SIZE"),
+    }
+
+
+@dataclass
+class RuntimeConfig:
+    """Failure detection, checkpoints, progress and debugging."""
+
+    timeout_s: float = setting(300.0, "seconds a silent peer may take before it is reported as lost")
+    heartbeat_s: float = setting(1.0, "seconds between liveness heartbeats (at most timeout_s / 3)")
+    checkpoint_dir: str | os.PathLike | None = setting(None, "where checkpoints go (to_dict stores a str)")
+    checkpoint_every: int = setting(0, "committed steps between checkpoints (0 = never)")
+    progress: bool = setting(False, "a progress bar on rank 0")
+    record_timeline: bool = setting(False, "per-round timestamps in engine.timeline")
+    poison_freed_buffers: bool = setting(False, "debug: NaN-fill gradient buffers once released")
+    keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/cpu_memory.py)")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "timeout_s": number(0, low_open=True),
+        "heartbeat_s": number(0, low_open=True),
+        "checkpoint_dir": _checkpoint_dir,
+        "checkpoint_every": integer(0),
+        "progress": boolean,
+        "record_timeline": boolean,
+        "poison_freed_buffers": boolean,
+        "keep_cpu_memory": boolean,
+    }
