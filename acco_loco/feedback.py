@@ -25,6 +25,8 @@ int8 step (``absmax(e_group) / 127 / 2``) of the formula applied to the previous
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -164,16 +166,20 @@ class ErrorFeedback:
             self._scales.copy_(scales)
         self._zero = False
 
-    def int8_state(self) -> tuple[Tensor, Tensor, bool]:
-        """``(codes, scales, zero)`` of the int8 storage, live, for a fused kernel that does
-        compensate + update in place (acco_loco/kernels.py); call :meth:`updated` after it."""
+    @contextmanager
+    def lent_to_kernel(self, lend: bool, update: bool):
+        """Lend ``(codes, scales, zero)`` of the int8 storage, live, to a fused kernel that
+        compensates (and, with ``update``, writes the new error) in place (acco_loco/kernels.py);
+        ``(None, None, True)`` when nothing is lent (``lend`` False, or no error is kept). After
+        an update the state is no longer known to be 0: this object keeps that true."""
+        if not (lend and self.active):
+            yield None, None, True
+            return
         if self._codes is None:
             raise ValueError(f"the error state is stored as {self.storage!r}, not int8")
-        return self._codes, self._scales, self._zero
-
-    def updated(self) -> None:
-        """Say that the error state was written in place (it is no longer known to be 0)."""
-        self._zero = False
+        yield self._codes, self._scales, self._zero
+        if update:
+            self._zero = False
 
     def on_committed_step(self, step: int) -> bool:
         """Call once after optimizer step ``step`` (the count of committed steps, 1-based)

@@ -70,13 +70,10 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
 
 
 def can_fuse(spec: OptimizerSpec, grad_sum: torch.Tensor, *states: ShardState) -> bool:
-    """Whether propose_slice steps these with the fused CPU kernel (AdamW; fp32, contiguous, on
-    the CPU, and the kernels are built)."""
-    from . import kernels
+    """Whether propose_slice steps these with the fused CPU kernel (acco_loco/kernel_policy.py)."""
+    from . import kernel_policy  # the kernels load only when a step asks
 
-    tensors = [grad_sum] + [t for s in states for t in s.tensors().values()]
-    return (spec.name == "adamw" and all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors)
-            and kernels.available())
+    return kernel_policy.optimizer(spec, grad_sum, *states)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

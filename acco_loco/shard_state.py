@@ -37,6 +37,23 @@ class ShardState:
             proposal.master, proposal.exp_avg, proposal.exp_avg_sq, proposal.step)
         self._spare = old if recycle else (None if proposal is self._spare else self._spare)
 
+    def rebind(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor | None,
+               step: int) -> None:
+        """Become views of tensors someone else lays out (1-bit Adam's whole moments after its
+        freeze): no copy, and the spare is dropped (no step is proposed into it any more)."""
+        self.master, self.exp_avg, self.exp_avg_sq, self.step = master, exp_avg, exp_avg_sq, step
+        self._spare = None
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(the tensors, by name, as they are: the caller copies them; {"step": ...})."""
+        return self.tensors(), {"step": self.step}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Copy saved values into this state's own tensors (their memory and layout stay)."""
+        for name, t in self.tensors().items():
+            t.copy_(tensors[name])
+        self.step = meta["step"]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg}
         if self.exp_avg_sq is not None:

@@ -16,7 +16,7 @@ gatherer sends each piece of the new shard as soon as the optimizer has produced
 segment [payload | scales] (the reducer's first piece also carries the sender's count), so the
 bytes on the wire are the same for any number of pieces, and every value goes through the same
 arithmetic in the same order: the results do not depend on the pieces. On CPU the encode and
-decode loops run in acco_loco/kernels.py's fused kernels where they apply (int codecs with fp32
+decode loops run in acco_loco/kernels.py's fused kernels where acco_loco/kernel_policy.py says they apply (int codecs with fp32
 scales, round-to-nearest, int8 error storage), with the same bits as the torch code beside them;
 the send/receive/output buffers are kept and reused every round.
 
@@ -31,13 +31,13 @@ import math
 
 import torch
 
-from acco_loco import kernels
+from acco_loco import kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback, compress
-from acco_loco.int_codec import IntCodec
 from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, parse_grad_codec
 
 from .comm import PIECE_ALIGN, Comm, chunk_bounds
 from .host import nonfinite_flag, nonfinite_rows_parts
+from .rounds import Reduced
 from .strategies import strategy_class
 
 
@@ -53,12 +53,6 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return scales.contiguous().view(torch.uint8)
 
 
-def _fast_codec(codec) -> bool:
-    """A wire codec the fused kernels implement: int8/int4/int2 with fp32 scales."""
-    return (isinstance(codec, IntCodec) and codec.scale_dtype == torch.float32
-            and codec.group_size <= kernels.MAX_GROUP)
-
-
 _SEGMENTS: dict = {}
 
 
@@ -72,19 +66,19 @@ def _segments(codec, shard: int, chunks: int) -> list[tuple[int, int, int, int]]
     return _SEGMENTS[key]
 
 
-class _Outputs:
-    """Two reduced-shard buffers used in turn: a round's sum stays intact through the next round
-    (ACCO keeps the estimate half until its commit), and no round allocates one."""
+class _Output:
+    """The reducer's own output buffer, kept and reused every round; a caller that keeps a sum
+    past the next round (ACCO's estimate half) passes a buffer of its own instead."""
 
     def __init__(self) -> None:
-        self._bufs: list[torch.Tensor | None] = [None, None]
-        self._turn = 0
+        self._buf: torch.Tensor | None = None
 
-    def next(self, shard: int, device: torch.device) -> torch.Tensor:
-        self._turn ^= 1
-        buf = self._bufs[self._turn]
+    def get(self, shard: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+        if out is not None:
+            return out
+        buf = self._buf
         if buf is None or buf.numel() != shard or buf.device != device:
-            buf = self._bufs[self._turn] = torch.empty(shard, dtype=torch.float32, device=device)
+            buf = self._buf = torch.empty(shard, dtype=torch.float32, device=device)
         return buf
 
 
@@ -93,13 +87,14 @@ class PlainGrads:
     """Uncompressed reduce-scatter in the gradient's dtype, summed in fp32."""
 
     feedback = None
-    input_nonfinite = None  # not looked for on the way: the round checks the gradient itself
 
     def __init__(self) -> None:
-        self._outputs = _Outputs()
+        self._output = _Output()
 
-    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
-        return comm.reduce_scatter_sum(full, self._outputs.next(full.numel() // comm.world_size, full.device))
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
+        """``out``: where the sum goes (default: the reducer's own buffer, overwritten next round)."""
+        shard = self._output.get(full.numel() // comm.world_size, full.device, out)
+        return Reduced(comm.reduce_scatter_sum(full, shard))  # the round checks the gradient itself
 
     def begin_step(self) -> None:
         pass
@@ -130,13 +125,8 @@ class CompressedGrads:
             self.generator.manual_seed(seed)
         fb = self.feedback
         # the fused CPU kernels: deterministic rounding, and an int8 error state in the codec's groups
-        self.fused = (torch.device(device).type == "cpu" and _fast_codec(self.codec) and self.generator is None
-                      and (not fb.active or (fb.storage == "int8" and fb.group_size == self.codec.group_size))
-                      and kernels.available())
-        self._outputs = _Outputs()
-        # whether the gradient the last reduce() took held a NaN/Inf (0-d float64 on its device),
-        # found on the way through it: the round's small all-reduce carries it
-        self.input_nonfinite: torch.Tensor | None = None
+        self.fused = kernel_policy.reducer(self.codec, fb, self.generator, device)
+        self._output = _Output()
         self._weight: torch.Tensor | None = None
 
     def encode(self, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,16 +142,16 @@ class CompressedGrads:
                                       check_finite=False)
         return payload, scales
 
-    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
-        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard; sets
-        ``input_nonfinite``.
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
+        """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard (into ``out``
+        when given), and whether ``full`` held a NaN/Inf, found on the way through it.
 
         Pipelined: piece k of every destination's shard is encoded and put on the wire, then
         piece k-1, which is on the wire meanwhile, is decoded on arrival."""
         n, codec, dev = self.world, self.codec, full.device
         shard = full.numel() // n
         segs = _segments(codec, shard, comm.chunks)
-        fused = (self.fused and full.dtype == torch.float32 and kernels.fits(full)
+        fused = (self.fused and kernel_policy.fits(full)
                  and all(p % 4 == 0 for _, _, p, _ in segs))  # the scales land word-aligned
         sends, recvs = [], []
         for k, (a, b, p, s) in enumerate(segs):
@@ -174,11 +164,21 @@ class CompressedGrads:
             self._weight = torch.zeros(1, dtype=torch.float32, device=dev)
         weight = self._weight.fill_(float(count)).view(torch.uint8)
         sends[0][:, p0 + s0:].copy_(weight.view(1, 4).expand(n, 4))
-        out = self._outputs.next(shard, dev)
+        out = self._output.get(shard, dev, out)
+        fb = self.feedback
+        with fb.lent_to_kernel(fused, update=count > 0) as (codes, escales, zero):
+            bad = self._send_and_sum(comm, full, count, fused, segs, sends, recvs, out, codes, escales, zero)
+        if fused:  # the kernels' flag is a host bool: a 0-d tensor from a number (CPU: no copy)
+            bad = torch.tensor(float(bad), dtype=torch.float64, device=dev)
+        return Reduced(out, bad)
+
+    def _send_and_sum(self, comm, full, count, fused, segs, sends, recvs, out, codes, escales, zero):
+        """Encode each piece for every destination, put it on the wire, decode and sum the
+        pieces received; returns whether ``full`` held a NaN/Inf (the kernels': a bool; else a flag)."""
+        n, codec, dev, shard = self.world, self.codec, full.device, full.numel() // self.world
+        fb = self.feedback
         if fused:
             bad = False
-            fb = self.feedback
-            codes, escales, zero = fb.int8_state() if fb.active else (None, None, True)
             group, bits, beta = codec.group_size, codec.bits, fb.beta if fb.active else 0.0
             xp = full.data_ptr()
             cp, ep = (None, None) if codes is None else (codes.data_ptr(), escales.data_ptr())
@@ -203,12 +203,7 @@ class CompressedGrads:
                 self._decode(pending.pop(0), segs, recvs, out, fused)
         for item in pending:
             self._decode(item, segs, recvs, out, fused)
-        if fused:
-            if fb.active and count > 0:
-                fb.updated()
-            bad = torch.tensor(float(bad), dtype=torch.float64, device=dev)
-        self.input_nonfinite = bad
-        return out
+        return bad
 
     def _decode(self, item, segs, recvs, out: torch.Tensor, fused: bool) -> None:
         """out[a:b] = sum over rows j (in order) of w_j * deQ(row j's piece)."""
@@ -319,14 +314,13 @@ class DeltaParams(_Gatherer):
     def __init__(self, name: str, world: int, group_size: int, scale_dtype: str):
         self.codec = WIRE_CODECS[name](group_size, scale_dtype)
         self.world = world
-        self.fused = _fast_codec(self.codec) and kernels.available()
+        self.fused = kernel_policy.wire_codec(self.codec)
 
     def _pieces(self, comm: Comm):
         return _segments(self.codec, self._shard, comm.chunks)
 
     def _fused_for(self, held: torch.Tensor, *tensors: torch.Tensor) -> bool:
-        return (self.fused and held.dtype == torch.float32 and kernels.fits(held)
-                and all(t.dtype == torch.float32 and kernels.fits(t) for t in tensors))
+        return self.fused and kernel_policy.fits(held, *tensors)
 
     def push(self, comm: Comm, k: int, new_shard: torch.Tensor, held: torch.Tensor | None = None) -> None:
         """Send piece k of Q(new_shard - mine), mine = this rank's shard of ``held``."""

@@ -5,7 +5,7 @@ what every strategy's rounds work with (RoundContext). The rounds themselves liv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -14,6 +14,9 @@ from acco_loco.optim import OptimizerSpec, ShardState
 
 from .comm import Comm
 from .flat import FlatParams
+
+if TYPE_CHECKING:  # the config imports the strategies' registry; a round needs only its fields
+    from .config import EngineConfig
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -61,15 +64,48 @@ def squared_norm_f64(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RoundContext:
-    """Everything a round may touch, built once by the engine: the strategy reads and writes
-    this, never the engine's own fields."""
+class Reduced:
+    """What a gradient reducer computed: the fp32 sum over workers of this rank's shard, and
+    whether the gradient it took held a NaN/Inf (a 0-d float64 device flag) when it looked on
+    its way through it (None: it did not look; the round checks the gradient itself)."""
 
-    cfg: Any  # EngineConfig
+    sum: torch.Tensor
+    input_nonfinite: torch.Tensor | None = None
+
+
+class GradReducer(Protocol):
+    """A worker's gradient sum -> the fp32 sum of its owned shard (engine/collectives.py,
+    engine/two_level.py); it owns its error state (``feedback``) and that state's checkpoint."""
+
+    feedback: Any
+
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced: ...
+    def begin_step(self) -> None: ...
+    def end_step(self, committed_step: int, skipped: bool) -> None: ...
+    def state_dict(self, mid_step: bool) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], where: str) -> None: ...
+
+
+class ParamGatherer(Protocol):
+    """Each owner's new shard -> the full buffer every replica holds, piece by piece."""
+
+    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]: ...
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None: ...
+    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]: ...
+    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a round works with, built once by the engine; no field is ever replaced (each object
+    changes only through its owner: the shard state through its methods, the error state
+    through the reducer). Strategies keep their own state on themselves."""
+
+    cfg: EngineConfig
     comm: Comm
     flat: FlatParams
     spec: OptimizerSpec
     shard_state: ShardState  # this worker's fp32 master shard and optimizer moments
-    grads: Any  # a gradient reducer (engine/collectives.py)
-    params: Any  # a parameter gatherer (engine/collectives.py)
+    grads: GradReducer
+    params: ParamGatherer
     gather_buf: torch.Tensor  # the full parameters every replica holds after the last round

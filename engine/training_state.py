@@ -11,9 +11,15 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
+def _named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors an owner saved under ``prefix``, by its own names."""
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def gather_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     state, flat, ctx = engine.ctx.shard_state, engine.flat, engine.ctx
-    tensors = {f"opt.{k}": _cpu(v) for k, v in state.tensors().items()}
+    opt_tensors, opt_meta = state.state_dict()
+    tensors = {f"opt.{k}": _cpu(v) for k, v in opt_tensors.items()}
     tensors["pending_grad"] = _cpu(flat.grads[flat.active])
     tensors["rng_cpu"] = torch.get_rng_state()
     if engine.device.type == "cuda":
@@ -24,7 +30,7 @@ def gather_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
     tensors.update(strategy_tensors)
     meta = {"rank": engine.rank, "world_size": engine.world_size, "topology": engine.topology,
             **engine.state.state_dict(),
-            "opt_step": state.step, "shard_size": flat.shard_size, "numel": flat.numel,
+            "opt_step": opt_meta["step"], "shard_size": flat.shard_size, "numel": flat.numel,
             "accumulation": engine.accumulation.state_dict(), **strategy_meta}
     return tensors, meta
 
@@ -38,12 +44,7 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: dict, where: s
         raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
                          f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
                          f"{flat.numel}: same model, same trainable parameters and align are needed")
-    state = ctx.shard_state
-    state.master.copy_(tensors["opt.master"])
-    state.exp_avg.copy_(tensors["opt.exp_avg"])
-    if state.exp_avg_sq is not None:
-        state.exp_avg_sq.copy_(tensors["opt.exp_avg_sq"])
-    state.step = meta["opt_step"]
+    ctx.shard_state.load_state_dict(_named(tensors, "opt."), {"step": meta["opt_step"]})
     with torch.no_grad():
         flat.grads[flat.active].copy_(tensors["pending_grad"])
         ctx.gather_buf.copy_(flat.data)

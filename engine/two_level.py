@@ -24,14 +24,13 @@ import torch
 
 from .comm import Comm
 from .host import to_host
+from .rounds import Reduced
 from .topology import Layout
 
 
 class TwoLevelGrads:
     """A gradient reducer: the node's reduce-scatter, then ``inner`` (a flat reducer built for
     P/G values over M ranks) over the rail."""
-
-    input_nonfinite = None  # the round checks this rank's own gradient (engine/strategies/sharded.py)
 
     def __init__(self, inner, node: Comm, rail: Comm, layout: Layout):
         self.inner, self.node, self.rail, self.layout = inner, node, rail, layout
@@ -48,7 +47,9 @@ class TwoLevelGrads:
         out = self.node.buffer(("two_level.node_sum",), (m * shard,), torch.float32, dev)
         return self.node.reduce_scatter_sum(rows.view(-1), out)
 
-    def reduce(self, comm: Comm, full: torch.Tensor, count: int) -> torch.Tensor:
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
+        """The rail's sum of the node sums for this rank's shard; the inner reducer's finiteness
+        flag is the node sum's, not this rank's gradient: the round checks that itself."""
         m, g = self.layout.nodes, self.layout.ranks_per_node
         shard, dev = full.numel() // (m * g), full.device
         node_sum = self.node_sum(full)
@@ -60,7 +61,7 @@ class TwoLevelGrads:
             # uncompressed: the rail carries the node's sum in the gradient's dtype, as flat does
             wire = self.node.buffer(("two_level.wire",), (m * shard,), full.dtype, dev)
             node_sum = wire.copy_(node_sum)
-        return self.inner.reduce(self.rail, node_sum, node_count)
+        return Reduced(self.inner.reduce(self.rail, node_sum, node_count, out).sum)
 
     def begin_step(self) -> None:
         self.inner.begin_step()

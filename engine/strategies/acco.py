@@ -18,6 +18,13 @@ class Acco(ShardedStrategy):
 
     def __init__(self) -> None:
         self.kept: KeptHalf | None = None  # the reduced estimate half, until its commit round
+        self.kept_buf: torch.Tensor | None = None  # its values: ACCO's own buffer, one shard long
+
+    def setup(self, ctx: RoundContext) -> None:
+        self.kept_buf = torch.empty_like(ctx.shard_state.master)
+
+    def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
+        return self.kept_buf if req.kind is RoundKind.ESTIMATE else None
 
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         return self.kept if req.kind is RoundKind.COMMIT else None
@@ -41,5 +48,5 @@ class Acco(ShardedStrategy):
     def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         k = meta.get("kept")
         self.kept = None if k is None else KeptHalf(
-            tensors["kept_grad_sum"].to(ctx.gather_buf.device), k["count"], k["loss_sum"], k["samples"],
+            self.kept_buf.copy_(tensors["kept_grad_sum"]), k["count"], k["loss_sum"], k["samples"],
             skipped=k.get("skipped", False), bad_ranks=tuple(k.get("bad_ranks", ())))

@@ -150,14 +150,13 @@ class OnebitAdam(ShardedStrategy):
         return ctx.gather_buf.dtype == torch.float32 and ctx.cfg.param_codec in ("auto", "float32")
 
     def _bind_shard(self, ctx: RoundContext, step: int) -> None:
-        """The engine's shard state becomes views of the whole tensors (no second copy; its
-        spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
+        """The shard state (the same object) becomes views of the whole tensors (no second copy;
+        its spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
         st, size, nodes = self.state, ctx.flat.shard_size, _nodes_of(ctx)
         lo = ctx.comm.rank * size  # in a whole tensor; in a slice, the shard is the node's chunk
         at = lo if nodes is None else nodes.layout.node * size
         master = st.master[at:at + size] if st.master is not None else ctx.gather_buf[lo:lo + size]
-        ctx.shard_state = ShardState(master=master, exp_avg=st.momentum[at:at + size],
-                                     exp_avg_sq=st.variance[at:at + size], step=step)
+        ctx.shard_state.rebind(master, st.momentum[at:at + size], st.variance[at:at + size], step)
 
     # ------------------------------------------------------------------ compressed stage
     def _compressed_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:

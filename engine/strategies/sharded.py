@@ -71,6 +71,11 @@ class ShardedStrategy(Strategy):
     def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
         """Remember what a later round needs (nothing here)."""
 
+    def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
+        """A buffer of the strategy's own for this round's reduced sum, when it keeps the sum past
+        the next round (ACCO's estimate half); None: the reducer's buffer, reused next round."""
+        return None
+
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, full = ctx.comm, ctx.flat.grads[req.grad_index]
         bytes_before, phases = comm.bytes_sent, {}
@@ -80,7 +85,7 @@ class ShardedStrategy(Strategy):
         t = time.perf_counter()
         # [what to send] gradient sum of this worker's micro-batches; whether it is finite (a
         # device flag: the small all-reduce carries it)
-        grad_sum, local_bad = reduce_flagged(ctx.grads, comm, full, req.count)
+        grad_sum, local_bad = reduce_flagged(ctx.grads, comm, full, req.count, self.reduce_into(req))
         phases["reduce_scatter"] = (t, time.perf_counter())
 
         t = time.perf_counter()
@@ -156,14 +161,13 @@ def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_ba
                        [float(t) for t in small[4 + 2 * n:]])
 
 
-def reduce_flagged(grads, comm, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the reduced shard, whether ``full`` held a NaN/Inf as a 0-d device flag); a reducer that
-    found the flag on its way through the gradient leaves it in ``input_nonfinite``."""
-    if getattr(grads, "input_nonfinite", None) is not None:
-        grads.input_nonfinite = None  # never a stale flag from an earlier round
-    grad_sum = grads.reduce(comm, full, count)
-    bad = getattr(grads, "input_nonfinite", None)
-    return grad_sum, nonfinite_flag(full) if bad is None else bad
+def reduce_flagged(grads, comm, full: torch.Tensor, count: int,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the reduced shard, whether ``full`` held a NaN/Inf as a 0-d device flag): the reducer's
+    own flag when it looked on its way through the gradient, else a check here."""
+    reduced = grads.reduce(comm, full, count, out)
+    bad = reduced.input_nonfinite
+    return reduced.sum, nonfinite_flag(full) if bad is None else bad
 
 
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,

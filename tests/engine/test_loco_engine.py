@@ -33,7 +33,7 @@ def compressed_rs(rank: int, world: int, bits: int):
     comm = Comm(rank, world)
     grads = CompressedGrads(GradCodecSpec("none", f"int{bits}"), NUMEL, world, GROUP, "float32", 0.8, 1024, "fp32",
                             torch.device("cpu"), stochastic=False, seed=0)
-    out = grads.reduce(comm, _full(rank), count=rank + 1)
+    out = grads.reduce(comm, _full(rank), count=rank + 1).sum
     return out, comm.bytes_sent
 
 

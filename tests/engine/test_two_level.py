@@ -88,7 +88,7 @@ def _reduce(rank: int, world: int, m: int, g: int):
     rail = Comm(layout.node, m, group=groups.rail_group, peer_nodes=list(range(m)), counter=counter)
     inner = CompressedGrads(GradCodecSpec("none", "int4"), NUMEL // g, m, GROUP, "float32", 0.8, 1024, "fp32",
                             torch.device("cpu"), stochastic=False, seed=0)
-    out = TwoLevelGrads(inner, node, rail, layout).reduce(None, _full(rank), count=rank + 1)
+    out = TwoLevelGrads(inner, node, rail, layout).reduce(None, _full(rank), count=rank + 1).sum
     return out, counter.intra, counter.inter
 
 
