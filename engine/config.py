@@ -232,8 +232,21 @@ _TOP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                  if f.name not in CORE_SECTIONS and f.name not in LAST_SECTIONS}
 
 
+# settings that earlier releases kept in the shared ``outer`` section, by the section they now live in
+_MOVED_FROM_OUTER = {"outer_momentum": "diloco", "outer_momentum_kind": "diloco", "pseudo_grad_dtype": "diloco",
+                     "topk_density": "sparseloco", "topk_chunk": "sparseloco", "topk_value_bits": "sparseloco",
+                     "sparse_error_beta": "sparseloco", "sparse_aggregate": "sparseloco"}
+
+
 def _rename_old_values(d: dict) -> None:
-    """Values that earlier releases wrote into checkpoints under other names."""
+    """Values that earlier releases wrote into checkpoints under other names or sections."""
+    outer = d.get("outer")
+    if isinstance(outer, dict) and set(outer) & set(_MOVED_FROM_OUTER):
+        outer = d["outer"] = dict(outer)
+        for name in set(outer) & set(_MOVED_FROM_OUTER):
+            section = d.setdefault(_MOVED_FROM_OUTER[name], {})
+            if isinstance(section, dict):
+                d[_MOVED_FROM_OUTER[name]] = {name: outer.pop(name), **section}
     if d.get("accumulation") == "adaptive":
         d["accumulation"] = "grow"
     acc = d.get("accumulate")

@@ -1,7 +1,7 @@
 """The core sections of EngineConfig, each a dataclass of ``setting(...)`` fields (default and
 help) with its ``RULES`` table, one rule per field (engine/rules.py). The strategies' own
 sections have the same form, one file each under engine/strategies/ (outer_config.py,
-onebit_config.py); engine/config.py gathers them all."""
+diloco_config.py, sparseloco_config.py, onebit_config.py); engine/config.py gathers them all."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ can check names without importing the runtime).
 
 A strategy with settings of its own also has a section: a dataclass of ``setting(...)`` fields
 with its ``RULES`` table, in a file of its own that imports neither torch nor the runtime
-(outer_config.py, onebit_config.py), plus a line in ``SECTIONS``; the strategy class names the
+(outer_config.py, diloco_config.py, sparseloco_config.py, onebit_config.py), plus a line in
+``SECTIONS``; the strategy class names the
 sections it reads (``sections = ("outer",)``). EngineConfig picks every registered section up
 (its flat keywords, rules, to_dict/from_dict and the recipes' flags); nothing in
 engine/config.py changes."""
@@ -26,6 +27,8 @@ STRATEGIES: dict[str, str] = {
 # the strategies' own config sections, by section name (EngineConfig's attribute: cfg.outer)
 SECTIONS: dict[str, str] = {
     "outer": "engine.strategies.outer_config:OuterConfig",  # diloco, sparseloco
+    "diloco": "engine.strategies.diloco_config:DilocoConfig",  # diloco
+    "sparseloco": "engine.strategies.sparseloco_config:SparselocoConfig",  # sparseloco
     "onebit": "engine.strategies.onebit_config:OnebitConfig",  # onebit_adam
 }
 

@@ -41,6 +41,7 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class DiLoCo(LocalStepStrategy):
     name = "diloco"
+    sections = ("outer", "diloco")  # shared local-step settings, and its own (diloco_config.py)
 
     def setup_outer(self, ctx: RoundContext) -> None:
         cfg = ctx.cfg

@@ -81,7 +81,7 @@ class LocalStepStrategy(Strategy):
     ``outer_tensors`` and ``load_outer``."""
 
     name = ""
-    sections = ("outer",)  # the settings of diloco and sparseloco: engine/strategies/outer_config.py
+    sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -41,6 +41,7 @@ def make_codec(cfg) -> TopKCodec:
 
 class SparseLoCo(LocalStepStrategy):
     name = "sparseloco"
+    sections = ("outer", "sparseloco")  # shared local-step settings, and its own (sparseloco_config.py)
 
     def setup_outer(self, ctx: RoundContext) -> None:
         self.error = torch.zeros_like(self.theta_sync)

@@ -127,8 +127,8 @@ def test_the_trap_sees_a_tensor_from_a_python_number():
 
 
 LOCAL = dict(micro_batches=2, accumulation="fixed", max_steps=6, align=8, lr=1e-2, weight_decay=0.1,
-             inner_steps=3, outer_lr=0.7, outer_momentum=0.9, topk_chunk=32, topk_density=0.25,
-             max_grad_norm=0.05)
+             inner_steps=3, outer_lr=0.7, max_grad_norm=0.05)
+OWN = {"diloco": dict(outer_momentum=0.9), "sparseloco": dict(topk_chunk=32, topk_density=0.25)}
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "sparseloco"])
@@ -138,7 +138,7 @@ def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
         monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
         monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.host.to_host)
         monkeypatch.setattr(engine.strategies.local_steps, "device_side", lambda t: device_path)
-        eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL), mse_loss)
+        eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL, **OWN[strategy]), mse_loss)
         real, per_step = eng.loop.inner_step, []
 
         def inner_step():

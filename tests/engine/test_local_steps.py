@@ -20,8 +20,9 @@ from engine.strategies import diloco, sparseloco
 from tests.tiny import flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, H, ROUNDS, LR, WD = 2, 3, 3, 1e-2, 0.1
-OUTER = {"inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9, "topk_chunk": 32, "topk_density": 0.25,
-         "topk_value_bits": 2, "sparse_error_beta": 0.95}
+OUTER = {"inner_steps": H, "outer_lr": 0.7}  # the shared section; each strategy's own below
+OWN = {"diloco": {"outer_momentum": 0.9},
+       "sparseloco": {"topk_chunk": 32, "topk_density": 0.25, "topk_value_bits": 2, "sparse_error_beta": 0.95}}
 NUMEL = sum(p.numel() for p in tiny_model(0).parameters())
 
 
@@ -31,7 +32,7 @@ def padded(world: int) -> int:
 
 def config(strategy: str, rounds: int = ROUNDS, **kw) -> EngineConfig:
     return EngineConfig(strategy=strategy, lr=LR, weight_decay=WD, micro_batches=K, max_steps=rounds * H,
-                        align=8, **{**OUTER, **kw})
+                        align=8, **{**OUTER, **OWN.get(strategy, {}), **kw})
 
 
 def train(rank: int, world: int, strategy: str, kw: dict, rounds: int = ROUNDS) -> dict:
@@ -84,7 +85,7 @@ class LocalReference:
         self.streams = [worker_stream(r, K * H * (ROUNDS + 8)) for r in range(world)]
         self.cursor = [0] * world
         sync_param = self.sync.clone().requires_grad_(True)
-        self.outer = (sync_param, torch.optim.SGD([sync_param], lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"],
+        self.outer = (sync_param, torch.optim.SGD([sync_param], lr=OUTER["outer_lr"], momentum=OWN["diloco"]["outer_momentum"],
                                                   nesterov=True))
         self.errors = [torch.zeros(self.size, dtype=torch.float64) for _ in range(world)]
         self.steps_per_round = steps_per_round  # [round][worker] inner steps (default H each)
@@ -110,8 +111,8 @@ class LocalReference:
             return param.detach().clone()
         sent = []
         for w, d in enumerate(deltas):
-            self.errors[w] = OUTER["sparse_error_beta"] * self.errors[w] + d
-            s = topk_2bit(self.errors[w], OUTER["topk_chunk"], 8, OUTER["topk_value_bits"])  # k = 0.25 x 32
+            self.errors[w] = OWN["sparseloco"]["sparse_error_beta"] * self.errors[w] + d
+            s = topk_2bit(self.errors[w], OWN["sparseloco"]["topk_chunk"], 8, OWN["sparseloco"]["topk_value_bits"])  # k = 0.25 x 32
             self.errors[w] = self.errors[w] - s
             sent.append(s)
         return self.sync - OUTER["outer_lr"] * sum(a * s for a, s in zip(shares, sent))

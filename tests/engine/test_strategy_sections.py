@@ -46,24 +46,36 @@ def toy():
 # ------------------------------------------------------------------------ the registered sections
 def test_outer_and_onebit_are_sections_beside_their_strategies():
     lay = config_layout()
-    assert lay.strategy_sections == ("outer", "onebit")
-    assert lay.sections["outer"].__module__ == "engine.strategies.outer_config"
-    assert lay.sections["onebit"].__module__ == "engine.strategies.onebit_config"
+    assert lay.strategy_sections == ("outer", "diloco", "sparseloco", "onebit")
+    for name in lay.strategy_sections:
+        assert lay.sections[name].__module__ == f"engine.strategies.{name}_config"
     assert list(EngineConfig().to_dict()) == ["strategy", "max_steps", "compute_dtype", "nan_policy", "seed", "optim",
-                                              "schedule", "accumulate", "comm", "layout", "outer", "onebit", "runtime"]
-    cfg = EngineConfig(strategy="sparseloco", inner_steps=5, outer={"topk_chunk": 64})
-    assert (cfg.inner_steps, cfg.outer.inner_steps, cfg.topk_chunk, cfg.outer.topk_density) == (5, 5, 64, 0.02)
+                                              "schedule", "accumulate", "comm", "layout", "outer", "diloco",
+                                              "sparseloco", "onebit", "runtime"]
+    cfg = EngineConfig(strategy="sparseloco", inner_steps=5, sparseloco={"topk_chunk": 64})
+    assert (cfg.inner_steps, cfg.outer.inner_steps, cfg.topk_chunk, cfg.sparseloco.topk_density) == (5, 5, 64, 0.02)
     settings = describe_settings()
     assert settings["inner_steps"].read_by == ("diloco", "sparseloco")
     assert settings["inner_steps"].help.startswith("diloco/sparseloco: ")
+    assert settings["topk_chunk"].read_by == ("sparseloco",) and settings["outer_momentum"].read_by == ("diloco",)
     assert settings["onebit_window"].read_by == ("onebit_adam",) and settings["onebit_window"].section == "onebit"
     assert settings["lr"].read_by == ()
     declared = {f.name for f in dataclasses.fields(EngineConfig)}  # the core: no strategy section there
-    assert not declared & {"outer", "onebit"} and "OuterConfig" not in (ROOT / "engine" / "config.py").read_text()
+    assert not declared & {"outer", "diloco", "sparseloco", "onebit"}
+    assert "OuterConfig" not in (ROOT / "engine" / "config.py").read_text()
+
+
+def test_a_checkpoint_config_of_the_shared_outer_section_still_loads():
+    """Earlier releases kept diloco's and sparseloco's own settings in the ``outer`` section."""
+    old = EngineConfig(strategy="sparseloco").to_dict()
+    old["outer"].update(old.pop("diloco"))
+    old["outer"].update({**old.pop("sparseloco"), "topk_chunk": 64})
+    cfg = EngineConfig.from_dict(old)
+    assert cfg.topk_chunk == 64 and cfg.sparseloco.topk_chunk == 64 and cfg.outer_momentum == 0.9
 
 
 def test_section_files_import_neither_torch_nor_the_runtime():
-    for name in ("outer_config", "onebit_config"):
+    for name in ("outer_config", "diloco_config", "sparseloco_config", "onebit_config"):
         tree = ast.parse((ROOT / "engine" / "strategies" / f"{name}.py").read_text())
         imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
                     for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
@@ -79,6 +91,10 @@ def test_section_files_import_neither_torch_nor_the_runtime():
     ({"strategy": "diloco", "onebit_window": 3}, "onebit_window=3 set, but strategy 'diloco' does not read the "
                                                   "'onebit' section they belong to (strategy 'onebit_adam' reads it)"),
     ({"strategy": "auto", "onebit_warmup_steps": 2}, "strategy 'auto' does not read the 'onebit' section"),
+    ({"strategy": "diloco", "topk_chunk": 32}, "topk_chunk=32 set, but strategy 'diloco' does not read the "
+                                               "'sparseloco' section they belong to (strategy 'sparseloco' reads it)"),
+    ({"strategy": "sparseloco", "outer_momentum": 0.5}, "outer_momentum=0.5 set, but strategy 'sparseloco' does "
+                                                        "not read the 'diloco' section"),
 ])
 def test_a_setting_the_strategy_does_not_read_is_refused(kwargs, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -89,7 +105,8 @@ def test_a_setting_the_strategy_does_not_read_is_refused(kwargs, fragment):
 
 def test_defaults_of_an_unread_section_are_fine_and_reads_are_accepted():
     EngineConfig(strategy="acco", inner_steps=15, onebit_window=10)  # the defaults, as a recipe passes them
-    EngineConfig(strategy="diloco", inner_steps=5, topk_chunk=32)  # the outer section is shared
+    EngineConfig(strategy="diloco", inner_steps=5, outer_momentum=0.5)  # the outer section and its own
+    EngineConfig(strategy="sparseloco", inner_steps=5, topk_chunk=32)
     EngineConfig(strategy="onebit_adam", onebit_warmup_steps=3)
     cfg = EngineConfig(strategy="diloco", inner_steps=5)
     cfg.strategy = "acco"  # an assignment is checked by validate
