@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 import acco_loco.codecs
 import engine.host
+import engine.strategies.local_sgd
 import engine.strategies.local_steps
 import engine.strategies.sharded
 from acco_loco import kernels
@@ -117,6 +118,29 @@ def test_a_round_reads_the_device_twice(kw, fused, monkeypatch):
         allowed = {**KNOWN_H2D, "engine/collectives.py:reduce": KNOWN_H2D.get("engine/collectives.py:reduce", 0)
                    + (1 if fused else 0)}
         assert all(from_host.count(site) <= allowed.get(site, 0) for site in from_host), from_host
+
+
+def test_a_local_sgd_round_reads_the_device_once(monkeypatch):
+    """local_sgd's round: its small all-reduce is its one (sanctioned) host read; the finiteness
+    of the gradient travels in it as a device flag."""
+    calls: list[int] = []
+    monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
+    monkeypatch.setattr(engine.strategies.local_sgd, "to_host", engine.host.to_host)
+    eng = Engine(tiny_model(0), EngineConfig(strategy="local_sgd", optimizer="sgd", momentum=0.0, micro_batches=1,
+                                             accumulation="fixed", max_steps=4, align=8, lr=1e-2), mse_loss)
+    real, per_round = eng.strategy.run_round, []
+
+    def run_round(ctx, req):
+        calls.clear()
+        with CountHostReads() as mode:
+            result = real(ctx, req)
+        per_round.append((list(mode.reads), len(calls)))
+        return result
+    eng.strategy.run_round = run_round
+    history = eng.fit(worker_stream(0, 40))
+    eng.close()
+    assert len(history) == 4 and len(per_round) == 4
+    assert all(reads == ["cpu"] and sanctioned == 1 for reads, sanctioned in per_round), per_round
 
 
 def test_the_trap_sees_a_tensor_from_a_python_number():
