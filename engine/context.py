@@ -10,6 +10,7 @@ import torch
 from acco_loco.optim import init_state
 
 from .collectives import codec_groups, make_collectives
+from .comm import resolve_chunks
 from .flat import FlatParams
 from .layout import make_two_level_collectives
 from .rounds import RoundContext
@@ -38,6 +39,7 @@ def build_context(engine, named: list) -> RoundContext:
         engine.model.to(dtype)
     flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
                       math.lcm(cfg.align, *codec_groups(cfg)), dtype)
+    comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     padded32[:flat32.numel()] = flat32
     comm.broadcast_(padded32, src=0)

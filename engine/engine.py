@@ -68,8 +68,7 @@ class Engine:
         rank, world = init_process_group(device, cfg.timeout_s)
         self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
         check_agreement(model, cfg, rank, world, device)  # before any collective that depends on sizes
-        self.comm = Comm(rank, world, cfg.comm_chunks,
-                         peer_nodes=[self.layout.node_of(r) for r in range(world)])
+        self.comm = Comm(rank, world, peer_nodes=[self.layout.node_of(r) for r in range(world)])
         self.device = device
         self.placement = Placement(device)  # every micro-batch goes to the model's device
         self.clock = make_clock(device)  # micro-batch times: CUDA events on a GPU

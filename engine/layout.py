@@ -41,9 +41,9 @@ def make_two_level_collectives(cfg, world_comm: Comm, layout: Layout, padded: in
     one rail (P/G values over M ranks), wrapped by the node's level."""
     groups = build_groups(layout, device)
     g, m = layout.ranks_per_node, layout.nodes
-    node = Comm(layout.local, g, cfg.comm_chunks, group=groups.node_group, peer_nodes=[0] * g,
+    node = Comm(layout.local, g, world_comm.chunks, group=groups.node_group, peer_nodes=[0] * g,
                 counter=world_comm.counter)
-    rail = Comm(layout.node, m, cfg.comm_chunks, group=groups.rail_group, peer_nodes=list(range(m)),
+    rail = Comm(layout.node, m, world_comm.chunks, group=groups.rail_group, peer_nodes=list(range(m)),
                 counter=world_comm.counter)
     grads, params = make_collectives(cfg, padded // g, m, device, world_comm.rank, dtype)
     return TwoLevelGrads(grads, node, rail, layout), TwoLevelParams(params, node, rail, layout)

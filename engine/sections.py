@@ -132,7 +132,9 @@ class CommunicationConfig:
     error_storage: str = setting("int8", "how error feedback is stored: int8 (LoCo's 8-bit errors) or fp32")
     scale_dtype: str = setting("float32", "dtype of the group scales on the wire")
     stochastic_rounding: bool = setting(False, "quantize with stochastic instead of nearest rounding")
-    comm_chunks: int = setting(1, "split each collective into this many async pieces (gloo speed)")
+    comm_chunks: int | str = setting("auto", "split each collective into this many async pieces: auto = on "
+                                     "gloo up to 8 pieces of at least 64k values each (one gloo "
+                                     "collective fills about half a link, 8 pieces 82-86 percent of it), on NCCL 1")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "codec": _GradCodecChoice(tuple(GRAD_CODECS)),
@@ -144,7 +146,7 @@ class CommunicationConfig:
         "error_storage": choice(ERROR_STORAGES),
         "scale_dtype": choice(SCALE_DTYPES),
         "stochastic_rounding": boolean,
-        "comm_chunks": integer(1),
+        "comm_chunks": Check("'auto' or an integer >= 1", lambda v: v == "auto" or (is_int(v) and v >= 1)),
     }
 
 

@@ -179,7 +179,14 @@ def _optional(kind):
     return parse
 
 
+def _int_or_name(text: str):
+    """An int | str setting (comm_chunks: a count, or 'auto')."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def _flag_type(annotation: str):
+    if annotation == "int | str":
+        return _int_or_name
     kind = {"int": int, "float": float}.get(annotation.replace(" | None", ""), str)
     return _optional(kind) if annotation.endswith("| None") and kind is not str else kind
 
