@@ -18,6 +18,7 @@ PIECE_ALIGN values, so that every piece computes the same bits as the whole woul
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -77,6 +78,12 @@ class LinkBytes:
     def __init__(self) -> None:
         self.intra = 0
         self.inter = 0
+        self._lock = threading.Lock()  # node replicas count from the compute and the comm thread
+
+    def add(self, intra: int, inter: int) -> None:
+        with self._lock:
+            self.intra += intra
+            self.inter += inter
 
     @property
     def total(self) -> int:
@@ -98,6 +105,7 @@ class Comm:
         self.chunks = chunks
         self.group = group  # None: the default group
         self.counter = counter if counter is not None else LinkBytes()
+        self.sent = 0  # bytes this Comm's own collectives sent (the counter adds every Comm's)
         if peer_nodes is None:
             peer_nodes = list(range(world_size))
         if len(peer_nodes) != world_size:
@@ -115,11 +123,14 @@ class Comm:
         """What this worker put on the wire through any of its Comms, all rounds together."""
         return self.counter.total
 
+    def _add(self, intra: int, inter: int) -> None:
+        self.sent += intra + inter
+        self.counter.add(intra, inter)
+
     def _count(self, per_peer: int) -> None:
         """``per_peer`` bytes to each of the other ranks of the group (an all-to-all row, an
         all-gather piece), split by where the peer sits."""
-        self.counter.intra += self._same_node * per_peer
-        self.counter.inter += (self.world_size - 1 - self._same_node) * per_peer
+        self._add(self._same_node * per_peer, (self.world_size - 1 - self._same_node) * per_peer)
 
     def all_to_all_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Send row j of ``rows`` ([world, L], any dtype) to rank j; returns the rows received
@@ -234,8 +245,7 @@ class Comm:
             dist.all_reduce(small, group=self.group)
             n, size = self.world_size, small.numel() * small.element_size()
             # a ring all-reduce sends 2 (N-1)/N of the vector; split like the other collectives
-            self.counter.intra += 2 * self._same_node * size // n
-            self.counter.inter += 2 * (n - 1 - self._same_node) * size // n
+            self._add(2 * self._same_node * size // n, 2 * (n - 1 - self._same_node) * size // n)
         return small
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -48,7 +48,8 @@ def build_context(engine, named: list) -> RoundContext:
         grads, params = make_two_level_collectives(cfg, comm, engine.layout, flat.padded, device, dtype)
     else:
         grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
-    owned = engine.strategy.initial_values(flat, padded32, rank, engine.layout)
+    two_level = engine.layout if engine.topology == "two_level" else None  # the node layout, or None: flat
+    owned = engine.strategy.initial_values(flat, padded32, rank, two_level)
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec,
                         shard_state=init_state(owned, engine.spec), grads=grads,
                         params=params, gather_buf=flat.data.clone())  # what every replica holds

@@ -25,7 +25,8 @@ def choose_topology(cfg, strategy, rank: int, world: int, device: torch.device) 
     if topology == "two_level" and not strategy.two_level:
         if cfg.topology == "two_level":
             raise ValueError(f"strategy {cfg.strategy!r} has no two-level exchange yet (the sharded strategies "
-                             "zero1, dpu, acco and onebit_adam have): use topology='flat' or 'auto'")
+                             "zero1, dpu, acco and onebit_adam have it, and diloco and sparseloco as node replicas): "
+                             "use topology='flat' or 'auto'")
         topology = "flat"
         if rank == 0:
             log.info("topology auto: %s runs its flat exchange over %d nodes x %d ranks",

@@ -32,6 +32,7 @@ class LocalStepsLoop(RoundLoop):
         """The micro-batches just run make one inner step of this worker alone; an outer round
         follows when it is due, or when this worker's data ran out."""
         e = self.engine
+        exhausted = e.strategy.agree_exhausted(exhausted)  # a node replica stops together
         entry = None if exhausted else self.inner_step()
         stopping = e.step >= e.stop_at
         stop = stopping

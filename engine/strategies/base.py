@@ -46,7 +46,8 @@ class Strategy:
 
     def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
         """The fp32 values this rank's optimizer owns at the start, cut from every replica's
-        ``full32`` (the padded flat buffer): its shard by default."""
+        ``full32`` (the padded flat buffer): its shard by default. ``layout``: the node layout when
+        the exchange is two-level (engine/topology.py), None when it is flat."""
         return flat.shard(full32, rank)
 
     def setup(self, ctx: RoundContext) -> None:

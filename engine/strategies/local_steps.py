@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +32,9 @@ from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..two_level import slice_of
 from .base import Strategy
+from .node_replica import NodeReplica, inner_totals
 
 
 def device_side(t: torch.Tensor) -> bool:
@@ -74,6 +76,7 @@ class OuterTotals:
     exhausted_ranks: list[int]
     bad_ranks: list[int]  # their pseudo-gradient was not finite
     done_ranks: list[int]  # they reached their step budget (outer_period_s)
+    rank_samples: list[int] = field(default_factory=list)  # every rank's samples in the period
 
 
 class LocalStepStrategy(Strategy):
@@ -81,6 +84,7 @@ class LocalStepStrategy(Strategy):
     ``outer_tensors`` and ``load_outer``."""
 
     name = ""
+    two_level = True  # a node is one replica (engine/strategies/node_replica.py)
     sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
 
     def __init__(self, cfg):
@@ -96,6 +100,9 @@ class LocalStepStrategy(Strategy):
         self.last: OuterTotals | None = None
         self.period_start = time.perf_counter()
         self._scratch: torch.Tensor | None = None  # the fused inner step's square roots, one piece long
+        self.layout = None  # the node layout when a node is one replica (two-level), else None
+        self.replica: NodeReplica | None = None
+        self.node_due = False  # node replicas: some rank of the node saw its outer period elapse
 
     @classmethod
     def from_config(cls, cfg) -> "LocalStepStrategy":
@@ -128,7 +135,10 @@ class LocalStepStrategy(Strategy):
 
     # ------------------------------------------------------------------ setup
     def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
-        return full32  # the inner optimizer runs on the whole buffer, this worker's own copy
+        """The inner optimizer's values: the whole buffer, this worker's own copy; with node
+        replicas (a two-level ``layout``) this rank's slice of the node's copy."""
+        self.layout = layout
+        return full32 if layout is None else slice_of(full32, layout)
 
     def setup(self, ctx: RoundContext) -> None:
         """Allocate the outer state around the start every replica shares (rank 0's parameters)."""
@@ -138,9 +148,12 @@ class LocalStepStrategy(Strategy):
                              f"{world} workers, who all take the same number in {self.name!r}: use a "
                              f"multiple of {world}")
         master = ctx.shard_state.master
-        if master.numel() != ctx.flat.padded:
-            raise RuntimeError(f"{self.name} needs the inner optimizer state of the whole buffer "
-                               f"({ctx.flat.padded} values), the engine gave {master.numel()}")
+        if self.layout is not None:  # every rank of every node, in this order: its groups
+            self.replica = NodeReplica(self.layout, ctx.comm, master.device)
+        owned = ctx.flat.padded // (1 if self.layout is None else self.layout.ranks_per_node)
+        if master.numel() != owned:
+            raise RuntimeError(f"{self.name} needs the inner optimizer state of {owned} values (the whole "
+                               f"buffer, or a node replica's slice), the engine gave {master.numel()}")
         self.theta_sync = master.detach().clone()
         self.submitted = torch.zeros_like(master)
         self.setup_outer(ctx)
@@ -158,6 +171,8 @@ class LocalStepStrategy(Strategy):
         loss (a 0-d tensor on the device: read with the step's one host read)."""
         cfg = ctx.cfg
         lr = lr_at(step_index, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        if self.replica is not None:
+            return self._node_inner_step(ctx, grad_sum, count, samples, loss_sum, step_index, lr)
         self.period.micro_batches += count
         self.period.samples += samples
         if device_side(grad_sum):
@@ -188,8 +203,7 @@ class LocalStepStrategy(Strategy):
             if not bool(torch.isfinite(proposal.master).all()):
                 return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
             state.install(proposal)
-        with torch.no_grad():
-            ctx.flat.data.copy_(state.master)
+        self.install(ctx, state.master)
         return InnerStep(lr, norm, loss_sum / count, False)
 
     def _inner_step_on_device(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int,
@@ -221,9 +235,54 @@ class LocalStepStrategy(Strategy):
         if not finite:
             return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
         state.install(proposal)
-        with torch.no_grad():
-            ctx.flat.data.copy_(state.master)
+        self.install(ctx, state.master)
         return InnerStep(lr, norm_h, loss_sum / count, False)
+
+    def _node_inner_step(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int, samples: int,
+                         loss_sum: float | torch.Tensor, step_index: int, lr: float) -> InnerStep:
+        """The node's inner step: the node's summed gradient, reduce-scattered inside the node; each
+        rank steps its slice; the same decisions on every rank of the node (one small all-reduce
+        for the counts, the norm and the flags, one for the new slices' finiteness)."""
+        cfg, rep, state = ctx.cfg, self.replica, ctx.shard_state
+        part = rep.node_sum(grad_sum)
+        due = cfg.outer_period_s is not None and time.perf_counter() - self.period_start >= cfg.outer_period_s
+        n, node_samples, loss_sum, sq, bad, self.node_due = inner_totals(rep, part, count, samples, loss_sum,
+                                                                          grad_sum, due)
+        if self.layout.local == 0:  # the node's tallies, once per node: the outer round sums every rank's
+            self.period.micro_batches += n
+            self.period.samples += node_samples
+            self.period.loss_sum += loss_sum
+        norm = math.sqrt(sq) / n if not bad else math.nan
+        if not math.isfinite(norm):
+            return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite gradient")
+        grad = part / n
+        coef = clip_coefficient(norm, cfg.max_grad_norm)
+        if coef < 1.0:
+            grad.mul_(coef)
+        proposal = propose_step(state, grad, lr, ctx.spec)
+        finite = torch.isfinite(proposal.master).all().logical_not().to(torch.float64).reshape(1)
+        if rep.agree(finite)[0] > 0:
+            return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite parameters after the update")
+        state.install(proposal)
+        self.install(ctx, state.master)
+        return InnerStep(lr, norm, loss_sum / n, False)
+
+    def install(self, ctx: RoundContext, values: torch.Tensor) -> None:
+        """The replica's parameters ``values`` (this rank's own: the whole buffer, or its slice of
+        the node's) into the model's buffer."""
+        if self.replica is not None:
+            self.replica.install(values, ctx.flat.data)
+            return
+        with torch.no_grad():
+            ctx.flat.data.copy_(values)
+
+    def agree_exhausted(self, exhausted: bool) -> bool:
+        """Whether this replica's data ran out: a node replica stops when any of its ranks' did
+        (its ranks take every inner step together)."""
+        if self.replica is None:
+            return exhausted
+        flag = torch.tensor([float(exhausted)], dtype=torch.float64, device=self.theta_sync.device)
+        return self.replica.agree(flag)[0] > 0
 
     def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec) -> bool:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
@@ -252,6 +311,8 @@ class LocalStepStrategy(Strategy):
         its step budget (checked at inner-step boundaries only)."""
         if self.cfg.outer_period_s is None:
             return step % self.plan.local_steps == 0
+        if self.replica is not None:  # decided in the inner step, the same on every rank of the node
+            return stopping or self.node_due
         return stopping or time.perf_counter() - self.period_start >= self.cfg.outer_period_s
 
     def before_round(self, ctx: RoundContext, stopping: bool) -> None:
@@ -260,8 +321,7 @@ class LocalStepStrategy(Strategy):
         master = ctx.shard_state.master
         if self.unmerged:
             merge_delayed(master, self.theta_sync, self.submitted)
-            with torch.no_grad():
-                ctx.flat.data.copy_(master)
+            self.install(ctx, master)
             self.unmerged = False
         self.submitted.copy_(master)
         self.sending, self.period = self.period, PeriodTotals()
@@ -276,20 +336,23 @@ class LocalStepStrategy(Strategy):
             self.unmerged = True
         else:
             ctx.shard_state.master.copy_(self.theta_sync)
-            with torch.no_grad():
-                ctx.flat.data.copy_(self.theta_sync)
+            self.install(ctx, self.theta_sync)
             self.period_start = time.perf_counter()
         return bool(self.last is not None and self.last.done_ranks)
 
     # ------------------------------------------------------------------ comm side
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, t0 = ctx.comm, time.perf_counter()
-        before = comm.bytes_sent
+        own = [comm] if self.replica is None else [comm, self.replica.rail, self.replica.outer_node]
+        before = sum(c.sent for c in own)  # the compute thread's inner steps may send meanwhile
         delta = pseudo_gradient(self.theta_sync, self.submitted)
         totals = self._agree(ctx, req, nonfinite_flag(delta))
         self.last = totals
         skipped, reason = bool(totals.bad_ranks), "non-finite pseudo-gradient from"
-        if not skipped and totals.samples > 0 and not self.outer_update(ctx, delta, totals.shares):
+        shares, outer_ctx = totals.shares, ctx
+        if self.replica is not None:  # the replicas are the nodes; the exchange runs over the rail
+            shares, outer_ctx = self.replica.node_shares(totals.rank_samples), replace(ctx, comm=self.replica.rail)
+        if not skipped and totals.samples > 0 and not self.outer_update(outer_ctx, delta, shares):
             skipped, reason = True, "non-finite parameters after the outer step; every rank computed it:"
             if ctx.cfg.nan_policy == "stop":
                 raise NonFiniteGradientError(
@@ -300,7 +363,7 @@ class LocalStepStrategy(Strategy):
             count=totals.count, samples=totals.samples,
             loss=totals.loss_sum / totals.count if totals.count else math.nan, lr=ctx.cfg.outer_lr,
             grad_norm=math.nan, skipped=skipped, empty=totals.samples == 0, bad_ranks=totals.bad_ranks,
-            exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - before,
+            exhausted_ranks=totals.exhausted_ranks, bytes_sent=sum(c.sent for c in own) - before,
             phases={"outer_round": (t0, time.perf_counter())}, skip_reason=reason if skipped else "")
 
     def _agree(self, ctx: RoundContext, req: RoundRequest, local_bad: torch.Tensor) -> OuterTotals:
@@ -319,7 +382,8 @@ class LocalStepStrategy(Strategy):
         if flagged[1] and ctx.cfg.nan_policy == "stop":
             raise NonFiniteGradientError(f"non-finite pseudo-gradient in outer round {req.index} from rank(s) "
                                          f"{flagged[1]}: lower the learning rates, or set nan_policy='skip'")
-        return OuterTotals(int(small[0]), sum(samples), float(small[1]), sample_shares(samples), *flagged)
+        return OuterTotals(int(small[0]), sum(samples), float(small[1]), sample_shares(samples), *flagged,
+                           rank_samples=samples)
 
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
         """Exchange this worker's contribution and move theta_sync in place; False (nothing
@@ -347,8 +411,7 @@ class LocalStepStrategy(Strategy):
         self.unmerged = saved["unmerged"]
         self.period = PeriodTotals(*saved["period"])
         self.load_outer(tensors, saved)
-        with torch.no_grad():
-            ctx.flat.data.copy_(ctx.shard_state.master)  # this rank's own theta_w (replicas differ)
+        self.install(ctx, ctx.shard_state.master)  # this replica's own theta_w (replicas differ)
         self.period_start = time.perf_counter()
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:

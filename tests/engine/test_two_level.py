@@ -252,7 +252,8 @@ def _build(rank: int, world: int, kw: dict, per_rank: dict | None = None):
     ({"topology": "two_level"}, None, {}, "needs at least 2 nodes"),
     ({"ranks_per_node": 3}, None, {}, "cannot be split into nodes of 3"),
     ({}, {1: {"ranks_per_node": 2}}, {}, "disagree on the ranks per node"),
-    ({"topology": "two_level", "strategy": "diloco"}, None, _env(2), "no two-level exchange yet"),
+    ({"topology": "two_level", "strategy": "local_sgd", "optimizer": "sgd", "momentum": 0.0}, None, _env(2),
+     "no two-level exchange yet"),
 ])
 def test_clear_errors_on_every_rank(kw, per_rank, env, match):
     # every rank raises (none waits for a peer that already gave up): spawn reports each

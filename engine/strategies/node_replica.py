@@ -1,0 +1,87 @@
+"""A node as one replica of a local-step strategy (diloco, sparseloco; docs/DESIGN.md section 11.6).
+
+With the two-level layout (M nodes of G ranks), the G ranks of a node take every inner step
+together: the node's fp32 sum of their gradients is reduce-scattered inside the node, each rank
+steps the inner optimizer on its 1/G slice (the inner state is sharded inside the node), and the
+slices are all-gathered inside the node, so every rank of a node holds the node's theta_w. Only
+the outer round crosses nodes: each rank exchanges its slice of the node's pseudo-gradient with
+the ranks of the same local rank on the other nodes (its rail), and theta_sync, the outer momentum
+and sparseloco's error live on that slice. A rank's slice is the shards (m, l) of every node m,
+the layout the sharded strategies' two-level exchange uses (engine/two_level.py ``slice_of``).
+
+Two sets of groups: the inner steps run on the compute thread, the outer round on the comm
+thread, and a process group must not be used from two threads at once (outer_overlap runs
+both at the same time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import Comm
+from ..host import nonfinite_flag, to_host
+from ..topology import Layout, build_groups
+from ..two_level import gather_slices, slice_of
+
+
+class NodeReplica:
+    def __init__(self, layout: Layout, comm: Comm, device: torch.device):
+        g, m = layout.ranks_per_node, layout.nodes
+        self.layout = layout
+        inner, outer = build_groups(layout, device), build_groups(layout, device)  # every rank, this order
+        self.inner_node = Comm(layout.local, g, comm.chunks, group=inner.node_group, peer_nodes=[0] * g,
+                               counter=comm.counter)
+        self.outer_node = Comm(layout.local, g, comm.chunks, group=outer.node_group, peer_nodes=[0] * g,
+                               counter=comm.counter)
+        self.rail = Comm(layout.node, m, comm.chunks, group=outer.rail_group, peer_nodes=list(range(m)),
+                         counter=comm.counter)
+
+    # ------------------------------------------------------------------ compute thread
+    def node_sum(self, full: torch.Tensor) -> torch.Tensor:
+        """The node's fp32 sum of this rank's slice of ``full`` (every rank's own gradient sum)."""
+        lay, node = self.layout, self.inner_node
+        m, g = lay.nodes, lay.ranks_per_node
+        shard, dev = full.numel() // (m * g), full.device
+        rows = node.buffer(("replica.rows",), (g, m * shard), full.dtype, dev)
+        rows.view(g, m, shard).copy_(full.view(m, g, shard).transpose(0, 1))
+        out = node.buffer(("replica.sum",), (m * shard,), torch.float32, dev)
+        return node.reduce_scatter_sum(rows.view(-1), out)
+
+    def agree(self, small: torch.Tensor) -> list[float]:
+        """A small float64 sum over the node's ranks (counts, flags): the same numbers on each."""
+        return [float(x) for x in to_host(self.inner_node.all_reduce_sum(small))]
+
+    def install(self, part: torch.Tensor, full: torch.Tensor) -> None:
+        """Every rank's slice ``part`` into the node's whole buffer ``full`` (the model's)."""
+        with torch.no_grad():
+            gather_slices(self.inner_node, part, full, self.layout)
+
+    def slice(self, full: torch.Tensor) -> torch.Tensor:
+        return slice_of(full, self.layout)
+
+    # ------------------------------------------------------------------ comm thread
+    def node_shares(self, rank_samples: list[int]) -> list[float]:
+        """Each node's share of the period's samples (ranks are numbered node by node)."""
+        g = self.layout.ranks_per_node
+        per_node = [sum(rank_samples[k * g:(k + 1) * g]) for k in range(self.layout.nodes)]
+        total = sum(per_node)
+        return [s / total if total else 0.0 for s in per_node]
+
+
+def inner_totals(replica: NodeReplica, part: torch.Tensor, count: int, samples: int, loss_sum,
+                 grad_sum: torch.Tensor, due: bool) -> tuple[int, int, float, float, bool, bool]:
+    """The node's (micro-batches, samples, loss sum, squared norm of its summed gradient, whether
+    any rank's gradient was not finite, whether any rank's outer period elapsed): one small
+    all-reduce, one host read."""
+    small = torch.zeros(6, dtype=torch.float64, device=part.device)
+    small[0], small[1], small[5] = count, samples, float(due)
+    small[2] = loss_sum.to(torch.float64) if torch.is_tensor(loss_sum) else float(loss_sum)
+    small[3] = torch.dot(part, part).to(torch.float64)  # this rank's slice: the node's norm adds up
+    small[4] = nonfinite_flag(grad_sum)
+    got = replica.agree(small)
+    sq = got[3]
+    if not math.isfinite(sq) and got[4] == 0:  # finite values whose fp32 squares overflowed (rare)
+        sq = replica.agree(torch.linalg.vector_norm(part, dtype=torch.float64).square().reshape(1))[0]
+    return int(got[0]), int(got[1]), got[2], sq, got[4] > 0, got[5] > 0
