@@ -359,8 +359,7 @@ class LocalSampleBudget(SampleBudget):
         by_id = {id(p): (a, b) for p, (a, b) in zip(engine.flat.params, engine.flat.offsets)}
         self.ranges = [by_id[id(p)] for p in model.parameters()]
 
-    def theta_sync(self) -> list[torch.Tensor]:
-        sync = self.engine.strategy.theta_sync
+    def theta_sync(self, sync: torch.Tensor) -> list[torch.Tensor]:
         return [sync[a:b].view(p.shape).clone() for p, (a, b) in zip(self.model.parameters(), self.ranges)]
 
     def catch_up(self, force: bool = False) -> None:
@@ -369,7 +368,9 @@ class LocalSampleBudget(SampleBudget):
         self.synced += sum(o["samples"] for e in new for o in e["outer"] if not o["skipped"])
         self.seen = len(self.engine.history)
         if any(e["outer"] for e in new):  # theta_sync moved
-            self.snaps.maybe(self.model, self.synced, self.seen, force=force, params=self.theta_sync)
+            # every rank takes it (a node replica gathers its slices: a collective of the node)
+            sync = self.engine.strategy.whole_theta_sync(self.engine.ctx)
+            self.snaps.maybe(self.model, self.synced, self.seen, force=force, params=lambda: self.theta_sync(sync))
 
 
 def global_history(history: list[dict], world: int) -> list[dict]:

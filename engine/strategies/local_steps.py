@@ -276,6 +276,15 @@ class LocalStepStrategy(Strategy):
         with torch.no_grad():
             ctx.flat.data.copy_(values)
 
+    def whole_theta_sync(self, ctx: RoundContext) -> torch.Tensor:
+        """theta_sync as the whole padded buffer (fp32). A node replica gathers its ranks' slices:
+        every rank of the node calls this together, on the compute side."""
+        if self.replica is None:
+            return self.theta_sync
+        out = torch.empty(ctx.flat.padded, dtype=torch.float32, device=self.theta_sync.device)
+        self.replica.install(self.theta_sync, out)
+        return out
+
     def agree_exhausted(self, exhausted: bool) -> bool:
         """Whether this replica's data ran out: a node replica stops when any of its ranks' did
         (its ranks take every inner step together)."""

@@ -35,13 +35,6 @@ def config(strategy: str, rounds: int = ROUNDS, **kw) -> EngineConfig:
                         **{**OWN[strategy], **kw})
 
 
-def whole(engine: Engine, part: torch.Tensor) -> torch.Tensor:
-    """The node's whole buffer from every rank's slice (as the replica installs it)."""
-    out = torch.empty(engine.flat.padded, dtype=torch.float32)
-    engine.strategy.replica.install(part, out)
-    return out
-
-
 def train(rank: int, world: int, strategy: str, kw: dict, rounds: int = ROUNDS) -> dict:
     engine = Engine(tiny_model(0), config(strategy, rounds, **kw), mse_loss)
     assert engine.topology == "two_level" and engine.strategy.replica is not None
@@ -50,7 +43,7 @@ def train(rank: int, world: int, strategy: str, kw: dict, rounds: int = ROUNDS) 
     for _ in range(rounds * H):
         history += engine.fit(it, steps=1)
         inner.append(flat_params(engine.model))
-    sync = whole(engine, engine.strategy.theta_sync)[:NUMEL].clone()
+    sync = engine.strategy.whole_theta_sync(engine.ctx)[:NUMEL].clone()
     engine.close()
     return {"inner": inner, "sync": sync, "history": history,
             "state_numel": engine.shard_state.master.numel(), "padded": engine.flat.padded}
