@@ -33,9 +33,16 @@ class RoundLoop:
         True when training must stop."""
         raise NotImplementedError
 
+    def finish(self, handle: RoundHandle) -> bool:
+        """Wait for a round and do what its end does; True when training must stop."""
+        raise NotImplementedError
+
     def drain(self) -> bool:
         """Finish the round in flight, if any (before a save, at close); True when training must stop."""
-        raise NotImplementedError
+        if self.inflight is None:
+            return False
+        handle, self.inflight = self.inflight, None
+        return self.finish(handle)
 
     def round_may_end(self) -> bool:
         """Whether this worker's micro-batches complete the round: its share of them (grow: at

@@ -79,17 +79,11 @@ class LocalStepsLoop(RoundLoop):
         e.state.round_index += 1
         e.watchdog.round = req.index
         if not e.plan.overlap or wait:
-            return self.finish_outer(handle)
+            return self.finish(handle)
         self.inflight = handle
         return False
 
-    def drain(self) -> bool:
-        if self.inflight is None:
-            return False
-        handle, self.inflight = self.inflight, None
-        return self.finish_outer(handle)
-
-    def finish_outer(self, handle: RoundHandle) -> bool:
+    def finish(self, handle: RoundHandle) -> bool:
         e = self.engine
         result = self.wait(handle)
         stop = e.strategy.after_round(e.ctx, result)

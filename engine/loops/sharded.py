@@ -44,12 +44,6 @@ class ShardedLoop(RoundLoop):
         self.inflight = handle
         return False
 
-    def drain(self) -> bool:
-        if self.inflight is None:
-            return False
-        handle, self.inflight = self.inflight, None
-        return self.finish(handle)
-
     def submit(self, exhausted: bool) -> RoundHandle:
         e = self.engine
         st, flat, plan = e.state, e.flat, e.plan

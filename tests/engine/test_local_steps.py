@@ -70,6 +70,17 @@ def topk_2bit(e: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tensor:
     return out
 
 
+def outer_sgd(outer: tuple, sync: torch.Tensor, deltas: list[torch.Tensor], shares: list[float]) -> torch.Tensor:
+    """diloco's outer step: torch SGD (``outer``: its parameter and optimizer) from ``sync`` on
+    the share-weighted pseudo-gradients."""
+    param, opt = outer
+    with torch.no_grad():
+        param.copy_(sync)
+    param.grad = sum(a * d for a, d in zip(shares, deltas))
+    opt.step()
+    return param.detach().clone()
+
+
 class LocalReference:
     """Float64, sequential: each worker's AdamW steps, then the outer round of the strategy."""
 
@@ -103,12 +114,7 @@ class LocalReference:
 
     def outer_step(self, deltas: list[torch.Tensor], shares: list[float]) -> torch.Tensor:
         if self.strategy == "diloco":
-            param, opt = self.outer
-            with torch.no_grad():
-                param.copy_(self.sync)
-            param.grad = sum(a * d for a, d in zip(shares, deltas))
-            opt.step()
-            return param.detach().clone()
+            return outer_sgd(self.outer, self.sync, deltas, shares)
         sent = []
         for w, d in enumerate(deltas):
             self.errors[w] = OWN["sparseloco"]["sparse_error_beta"] * self.errors[w] + d

@@ -16,7 +16,7 @@ import torch
 from engine import Engine, EngineConfig
 from engine.local_group import spawn
 from engine.strategies.sparseloco import make_codec
-from tests.engine.test_local_steps import topk_2bit
+from tests.engine.test_local_steps import outer_sgd, topk_2bit
 from tests.tiny import flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, H, ROUNDS, LR, WD, OUTER_LR = 2, 3, 2, 1e-2, 0.1, 0.7
@@ -92,12 +92,7 @@ class NodeReference:
     def outer_step(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         shares = [1.0 / self.m] * self.m
         if self.strategy == "diloco":
-            param, opt = self.outer
-            with torch.no_grad():
-                param.copy_(self.sync)
-            param.grad = sum(a * d for a, d in zip(shares, deltas))
-            opt.step()
-            return param.detach().clone()
+            return outer_sgd(self.outer, self.sync, deltas, shares)
         own = OWN["sparseloco"]
         k = int(own["topk_chunk"] * own["topk_density"])
         sent = []
@@ -229,3 +224,31 @@ def test_a_node_stops_when_one_of_its_ranks_runs_out():
 def test_node_replicas_are_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="two_level"):
         Engine(tiny_model(0), config("diloco"), mse_loss)  # one process: no nodes
+
+
+def _periods(rank: int, world: int) -> dict:
+    import time
+
+    def slow_loss(model, batch):  # node 1 is 3x slower per micro-batch
+        time.sleep(0.02 if rank >= 2 else 0.0)
+        return mse_loss(model, batch)
+
+    cfg = config("diloco", rounds=6, outer_period_s=0.15)
+    engine = Engine(tiny_model(0), cfg, slow_loss)
+    history = engine.fit(worker_stream(rank, K * H * 6))
+    sync = engine.strategy.whole_theta_sync(engine.ctx)[:NUMEL].clone()
+    engine.close()
+    return {"steps": engine.step, "outer_at": [h["step"] for h in history if h["outer"]],
+            "params": flat_params(engine.model), "sync": sync}
+
+
+def test_outer_period_is_decided_per_node():
+    """outer_period_s: each node decides when its period is over, all its ranks together (a rank
+    deciding alone would leave its node-mates waiting in an inner step); the nodes then meet in
+    the outer round, the slow node after fewer inner steps."""
+    runs = spawn(_periods, 4, env=_env(2), timeout=180)
+    for a, b in ((0, 1), (2, 3)):
+        assert runs[a]["steps"] == runs[b]["steps"] and runs[a]["outer_at"] == runs[b]["outer_at"]
+        assert torch.equal(runs[a]["params"], runs[b]["params"])
+    assert all(torch.equal(r["sync"], runs[0]["sync"]) for r in runs)
+    assert runs[0]["steps"] > runs[2]["steps"]  # the fast node took more inner steps
