@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -125,10 +126,37 @@ def _save_nonce(engine, what: str) -> str:
     return nonce[0]
 
 
+class Cadence:
+    """When the next time-based checkpoint (``checkpoint_every_s``) is due, as a step every rank
+    agrees on: the first after the first committed step; at each save the ranks take rank 0's
+    seconds per step since the last save (one small all-reduce at the save, where no round is in
+    flight) and the next is due that many seconds later, in steps. No collective between saves."""
+
+    def __init__(self, step: int) -> None:
+        self.next_step = step + 1
+        self.mark = (time.perf_counter(), step)  # rank 0's (clock, step) at the last save
+
+    def after_save(self, engine) -> None:
+        now, (then, step0) = time.perf_counter(), self.mark
+        per_step = (now - then) / max(1, engine.step - step0) if engine.rank == 0 else 0.0
+        agreed = torch.tensor([per_step], dtype=torch.float64, device=engine.device)
+        if engine.world_size > 1:
+            try:
+                engine.comm.all_reduce_sum(agreed)
+            except Exception as exc:
+                raise engine.watchdog.diagnose("agreeing on the checkpoint cadence") from exc
+        per_step = float(agreed[0])
+        interval = max(1, int(engine.cfg.checkpoint_every_s / per_step)) if per_step > 0 else 1
+        self.next_step = engine.step + interval
+        self.mark = (time.perf_counter(), engine.step)  # the save's own time is not a step's
+
+
 def periodic_due(engine) -> bool:
-    """Whether the step just committed is due a periodic checkpoint (``checkpoint_every``)."""
-    every = engine.cfg.checkpoint_every
-    return bool(every) and engine.step % every == 0
+    """Whether the step just committed is due a periodic checkpoint: every ``checkpoint_every``
+    steps, or once the agreed step of the time-based cadence (``checkpoint_every_s``) is reached."""
+    cfg = engine.cfg
+    by_steps = bool(cfg.checkpoint_every) and engine.step % cfg.checkpoint_every == 0
+    return by_steps or (cfg.checkpoint_every_s is not None and engine.step >= engine.loop.cadence.next_step)
 
 
 def save_periodic(engine, root: str) -> str:
@@ -140,6 +168,8 @@ def save_periodic(engine, root: str) -> str:
         pointer.write_text(name + "\n")
         os.replace(pointer, Path(root) / LATEST)
     _barrier(engine, f"checkpoint save to {path} on rank {engine.comm.rank}")
+    if engine.cfg.checkpoint_every_s is not None:
+        engine.loop.cadence.after_save(engine)
     return path
 
 

@@ -162,8 +162,9 @@ class EngineConfig:
         if self.heartbeat_s * 3 > self.timeout_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most a third of timeout_s "
                              f"({self.timeout_s}) so that a lost peer is detected in time")
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ValueError("checkpoint_every is set but checkpoint_dir is not: give a directory")
+        for name in ("checkpoint_every", "checkpoint_every_s"):
+            if getattr(self, name) not in (0, None) and self.checkpoint_dir is None:
+                raise ValueError(f"{name} is set but checkpoint_dir is not: give a directory")
         # the math layer checks its own inputs too; both must accept what the table accepts
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from ..checkpoint import Cadence
 from ..rounds import RoundResult
 from ..streams import RoundHandle
 
@@ -26,6 +27,8 @@ class RoundLoop:
         counter = engine.comm.counter
         self.link_mark = (counter.intra, counter.inter)  # after the start-up broadcast
         self.cpu_mark = (time.process_time(), time.thread_time())
+        # checkpoint_every_s: the step of the next time-based checkpoint, agreed at each save
+        self.cadence = Cadence(engine.step) if engine.cfg.checkpoint_every_s is not None else None
 
     # ------------------------------------------------------------------ what a loop decides
     def boundary(self, exhausted: bool) -> bool:
