@@ -103,6 +103,7 @@ class LocalStepStrategy(Strategy):
         self.layout = None  # the node layout when a node is one replica (two-level), else None
         self.replica: NodeReplica | None = None
         self.node_due = False  # node replicas: some rank of the node saw its outer period elapse
+        self._exhausted: torch.Tensor | None = None  # node replicas: the data-ran-out flag's buffer
 
     @classmethod
     def from_config(cls, cfg) -> "LocalStepStrategy":
@@ -290,8 +291,9 @@ class LocalStepStrategy(Strategy):
         (its ranks take every inner step together)."""
         if self.replica is None:
             return exhausted
-        flag = torch.tensor([float(exhausted)], dtype=torch.float64, device=self.theta_sync.device)
-        return self.replica.agree(flag)[0] > 0
+        if self._exhausted is None:  # a kept device buffer, filled in place (no host-to-device copy)
+            self._exhausted = torch.zeros(1, dtype=torch.float64, device=self.theta_sync.device)
+        return self.replica.agree(self._exhausted.fill_(float(exhausted)))[0] > 0
 
     def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec) -> bool:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
