@@ -12,7 +12,8 @@ from the codecs' own ``wire_bytes`` so that they match the engine's counters exa
 
 Through one node's network link (G ranks per node, M nodes; ranks ordered node by node): a
 flat all-to-all sends G (N - G) of the N (N - 1) rows across nodes, i.e. G (M-1)/M of the
-payload per collective; a ring all-reduce crosses each node boundary once, 2 (N-1)/N P e.
+payload per collective; a ring all-gather crosses each node boundary once, (N-1)/N of the
+gathered buffer; a ring all-reduce likewise, 2 (N-1)/N P e.
 Two-level (issue 22): reduce-scatter inside the node at compute precision, then each rank
 sends its node's 1/G slice over its rail: (M-1)/M of the codec's bytes of the whole buffer per
 node link, and (G-1)/G P e per rank inside the node for each of the two intra-node collectives.
@@ -101,14 +102,28 @@ def onebit_step_rank_bytes(numel: int, world: int, ws: WireSettings) -> int:
     return 2 * (world - 1) * row + 2 * (world - 1) * (4 + 3 * world) * 8 // world
 
 
-def outer_round_rank_bytes(numel: int, world: int, mode: Mode, ws: WireSettings) -> int:
-    """One diloco / sparseloco outer round (docs/DESIGN.md section 8.6)."""
+def outer_round_parts(numel: int, world: int, mode: Mode, ws: WireSettings) -> dict:
+    """One diloco / sparseloco outer round (docs/DESIGN.md section 8.6), per rank (Comm's count):
+    {'all_to_all', 'all_gather', 'small'}."""
     p = padded(numel, world, ALIGN)
     small = 2 * (world - 1) * 8 * (2 + 4 * world) // world
     if mode.strategy == "diloco":
-        return 2 * (world - 1) * (p // world) * ws.pseudo_grad_bytes + small
+        half = (world - 1) * (p // world) * ws.pseudo_grad_bytes
+        return {"all_to_all": half, "all_gather": half, "small": small}
     codec = TopKCodec(ws.topk_chunk, ws.topk_density, ws.topk_bits)
-    return (world - 1) * codec.payload_bytes(p) + small
+    return {"all_to_all": 0, "all_gather": (world - 1) * codec.payload_bytes(p), "small": small}
+
+
+def outer_round_rank_bytes(numel: int, world: int, mode: Mode, ws: WireSettings) -> int:
+    return sum(outer_round_parts(numel, world, mode, ws).values())
+
+
+def flat_node_link(cross: float, all_to_all: float, all_gather: float, small: float, nodes: int) -> float:
+    """Through one node's link, of a flat exchange's per-rank counts: an all-to-all sends
+    ``cross`` (= G (N-G)/(N-1)) of every rank's rows across; a ring all-gather ordered node by node
+    crosses each node boundary once, carrying one rank's count (the testbed's node counters
+    measure this: README "Nodes", benchmarks/node_bytes.py)."""
+    return cross * (all_to_all + small) + (all_gather if nodes > 1 else 0.0)
 
 
 def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,
@@ -128,8 +143,9 @@ def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,
     if mode.local_steps:
         h = mode.inner_steps
         if mode.exchange == "flat" or g == 1:
-            r = outer_round_rank_bytes(numel, n, mode, ws)
-            return StepBytes(r / h, cross * r / h, 0.0, cross * r, 0.0, 1)
+            o = outer_round_parts(numel, n, mode, ws)
+            r, node = sum(o.values()), flat_node_link(cross, o["all_to_all"], o["all_gather"], o["small"], m)
+            return StepBytes(r / h, node / h, 0.0, node, 0.0, 1)
         # two-level: the node is one replica; inner steps run a full-precision zero1 round inside
         # the node; the outer round crosses nodes on rails (each rank its 1/G slice)
         inner = sharded_round_rank_bytes(numel, g, Mode("zero1"), ws)
@@ -139,7 +155,9 @@ def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,
     if mode.strategy == "onebit_adam":
         if mode.exchange == "flat" or g == 1:
             r = onebit_step_rank_bytes(numel, n, ws)
-            return StepBytes(r, cross * r, 0.0, cross * r, 0.0, 1)
+            small = 2 * (n - 1) * (4 + 3 * n) * 8 // n
+            node = flat_node_link(cross, (r - small) / 2, (r - small) / 2, small, m)  # rows out, then gathered
+            return StepBytes(r, node, 0.0, node, 0.0, 1)
         intra = 2 * (g - 1) * (padded(numel, g, ALIGN) // g) * e
         rail = onebit_step_rank_bytes(-(-numel // g), m, ws)
         return StepBytes(rail + intra, g * rail, intra, g * rail, intra, 1)
@@ -147,7 +165,8 @@ def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,
     if mode.exchange == "flat" or g == 1:
         b = sharded_round_rank_bytes(numel, n, mode, ws)
         r = b["reduce_scatter"] + b["all_gather"] + b["small"]
-        return StepBytes(rounds * r, rounds * cross * r, 0.0, cross * r, 0.0, rounds)
+        node = flat_node_link(cross, b["reduce_scatter"], b["all_gather"], b["small"], m)
+        return StepBytes(rounds * r, rounds * node, 0.0, node, 0.0, rounds)
     # two-level: intra-node reduce-scatter and all-gather at compute precision ((G-1)/G P e each),
     # the rails carry the codec's bytes of the node's 1/G slice over M nodes
     intra = 2 * (g - 1) * (padded(numel, g, ALIGN) // g) * e
