@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .hardware import cpu_testbed
 from .modes import Mode
 from .shape import ModelShape
 from .timeline import Batch, step_time
-from .wire import Layout, WireSettings
+from .wire import Layout, WireSettings, step_bytes
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
@@ -130,6 +130,33 @@ def rows(files=VALIDATION_FILES, constants: dict | None = None) -> list[Row]:
     return out
 
 
+# the testbed's node layouts (issue 22): each node a network namespace behind one shaped link
+NODE_FILES = (
+    "nodes_flat_2x2.json", "nodes_flat_2x4.json", "nodes_flat_2x8.json", "nodes_100mbit_b16_2x2_2seeds.json",
+    "nodes_100mbit_b16_2x2_attribution.json", "nodes_two_level_2x4.json", "nodes_20mbit_sparseloco_2x2.json",
+)
+
+
+def node_link_rows(files=NODE_FILES) -> list[tuple[str, str, str, float, float]]:
+    """(file, mode, layout, predicted, measured) bytes through node 0's link per (inner) step: the
+    planner's payload against the node veth's tx counter (which adds TCP/IP framing)."""
+    out = []
+    for name in files:
+        doc = json.loads((RESULTS / name).read_text())
+        shape = testbed_shape(doc["config"])
+        for o in doc["modes"]:
+            base, _, topology = o["mode"].partition("@")
+            if base not in BENCH_MODES or not o.get("node0_link_bytes_per_step"):
+                continue
+            mode = BENCH_MODES[base][0]
+            if not mode.is_ddp:
+                mode = replace(mode, exchange="two-level" if topology == "two_level" else "flat")
+            m, g = o["nodes"], o["ranks_per_node"]
+            pred = step_bytes(shape.params, Layout(m, g), mode, WireSettings()).node_link
+            out.append((name, o["mode"], f"{m}x{g}", pred, o["node0_link_bytes_per_step"]))
+    return out
+
+
 def _per_step(o: dict, thread: tuple[str, ...]) -> float:
     """Median over the row's runs (its chosen lr) and ranks of the named threads' CPU per step."""
     runs = [r for r in o["runs"] if r["lr"] == o["lr"]]
@@ -214,6 +241,11 @@ def main() -> None:
           f"engine rows only (DDP's rows set the link efficiency): {s['engine_rows']} rows, median "
           f"{100 * s['engine_median_abs_error']:.1f}%, largest {100 * s['engine_max_abs_error']:.1f}% "
           f"({100 * s['engine_clean_max_abs_error']:.1f}% outside the loaded file); bytes exact: {s['bytes_exact']}")
+    print("\nnode 0's link per (inner) step, the testbed's node layouts: planner payload vs the veth's tx counter")
+    print("| file | mode | nodes x ranks | predicted | measured | measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for name, mode, lay, pred, meas in node_link_rows():
+        print(f"| {name} | {mode} | {lay} | {pred:,.0f} | {meas:,.0f} | {meas / pred:.3f} |")
     print("\nconstants recomputed from the JSONs' thread CPU counters (stated in engine/planner/hardware.py):")
     for k, v in measure_constants().items():
         print(f"  {k}: {v}")

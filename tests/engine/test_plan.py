@@ -223,3 +223,16 @@ def test_loss_per_sample_comes_from_the_measured_tables():
     assert quality(Mode("sparseloco")).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
     assert quality(Mode("zero1", "loco4", "int8")).note.startswith("inferred")
     assert quality(Mode("dpu")).loss_vs_adamw_pct is None
+
+
+def test_planner_node_link_bytes_match_the_testbed_node_counters():
+    """Every node-layout run of the testbed (2 x 2, 2 x 4, 2 x 8; flat and two-level; DDP, zero1,
+    acco, sparseloco): the planner's payload through node 0's link against the veth's tx counter,
+    which adds TCP/IP framing (~0.6 kB a message: a few percent on large messages, up to 30% on
+    acco's many small compressed chunks at 2 x 8, most of sparseloco's few-kB steps)."""
+    rows = validate.node_link_rows()
+    assert len(rows) >= 20 and {r[2] for r in rows} >= {"2x2", "2x4", "2x8"}
+    for name, mode, lay, pred, meas in rows:
+        assert meas >= pred, (name, mode, lay)  # the counter never sees less than the payload
+        if pred > 100_000:
+            assert meas / pred < 1.31, (name, mode, lay, meas / pred)
