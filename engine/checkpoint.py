@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -58,13 +59,73 @@ def rank_file(rank: int, world: int) -> str:
 
 
 def save(engine, directory: str | os.PathLike) -> str:
-    return _save(engine, directory)[0]
+    finish_pending(engine)  # a periodic save still being written finishes first
+    path, owner = _save(engine, directory)
+    return path
 
 
-def _save(engine, directory: str | os.PathLike) -> tuple[str, bool]:
-    """(the checkpoint directory, whether this rank finished it): the lowest rank that sees a
-    directory writes its model and engine.json and renames it, so ranks with a shared filesystem
-    write one checkpoint and ranks on separate disks (or given separate directories) one each."""
+class _Pending:
+    """A save whose files are written (``write``), then finished on every rank: a barrier, the
+    lowest rank that sees the directory writes engine.json and renames it, ``then`` (the owner:
+    the ``latest`` pointer), a barrier. In the background the write runs on its own thread from a
+    copy of the state, and the finish waits for the next save or close (both are points with no
+    round in flight, where the compute side may use the process group)."""
+
+    def __init__(self, engine, final: Path, tmp: Path, owner: bool, sharing: list[int], info: dict | None,
+                 then=None):
+        self.engine, self.final, self.tmp, self.owner, self.sharing = engine, final, tmp, owner, sharing
+        self.info, self.then = info, then
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.write_s = 0.0
+
+    def start(self, write) -> None:
+        def run():
+            t0 = time.perf_counter()
+            try:
+                write()
+            except BaseException as exc:  # raised on the compute side when the save is finished
+                self.error = exc
+            self.write_s = time.perf_counter() - t0
+        self.thread = threading.Thread(target=run, name="acco-loco-checkpoint", daemon=True)
+        self.thread.start()
+
+    def finish(self) -> str:
+        engine, final, tmp = self.engine, self.final, self.tmp
+        what = f"checkpoint save to {final} on rank {engine.comm.rank}"
+        if self.thread is not None:
+            self.thread.join()
+            if self.error is not None:
+                raise RuntimeError(f"writing the checkpoint {final} failed on rank {engine.rank}") from self.error
+        _barrier(engine, what)
+        if self.owner:
+            if len(self.sharing) < engine.comm.world_size:  # node-local directories: these ranks' files
+                self.info["ranks_here"] = self.sharing
+            for marker in tmp.glob(".present-*"):
+                marker.unlink()
+            with open(tmp / "engine.json", "w") as f:
+                json.dump(self.info, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                final.rename(old)
+            tmp.rename(final)
+            if old.exists():
+                shutil.rmtree(old)
+            if self.then is not None:
+                self.then()
+        _barrier(engine, what)
+        return str(final)
+
+
+def _save(engine, directory: str | os.PathLike, background: bool = False, then=None):
+    """(the checkpoint directory, whether this rank finished it), or with ``background`` the
+    pending save (files written on a thread from a copy). The lowest rank that sees a directory
+    writes its model and engine.json and renames it, so ranks with a shared filesystem write one
+    checkpoint and ranks on separate disks (or given separate directories) one each."""
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     comm = engine.comm
@@ -84,34 +145,36 @@ def _save(engine, directory: str | os.PathLike) -> tuple[str, bool]:
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     _barrier(engine, what)
 
-    if owner:
-        _save_model(engine.model, tmp / "model.safetensors")
+    model = _model_tensors(engine.model) if owner else None  # copies
     tensors, meta = engine.state_dict()
-    _write(tensors, tmp / rank_file(comm.rank, comm.world_size), {"engine": json.dumps(meta)})
-    _barrier(engine, what)
-
+    if background:  # the state's CPU tensors are the live ones: the thread writes a copy
+        tensors = {k: v.clone() for k, v in tensors.items()}
+    info = None
     if owner:
         info = {"format": FORMAT, "world_size": comm.world_size, "step": engine.step,
                 "config": engine.cfg.to_dict(), "loss_fn": _saved_loss_name(engine.loss_fn),
                 CHECKSUMS: CHECKSUM_ALGO}
-        if len(sharing) < comm.world_size:  # node-local directories: this one holds these ranks' files
-            info["ranks_here"] = sharing
-        for marker in tmp.glob(".present-*"):
-            marker.unlink()
-        with open(tmp / "engine.json", "w") as f:
-            json.dump(info, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-    _barrier(engine, what)
-    return str(final), owner
+    rank_path = tmp / rank_file(comm.rank, comm.world_size)
+
+    def write() -> None:
+        if model is not None:
+            _write(model, tmp / "model.safetensors")
+        _write(tensors, rank_path, {"engine": json.dumps(meta)})
+
+    pending = _Pending(engine, final, tmp, owner, sharing, info, then)
+    if background:
+        pending.start(write)
+        return pending
+    write()
+    return pending.finish(), owner
+
+
+def finish_pending(engine) -> None:
+    """Finish the periodic save still being written in the background, if any (every rank)."""
+    pending = getattr(engine.loop, "pending_save", None)
+    if pending is not None:
+        engine.loop.pending_save = None
+        pending.finish()
 
 
 def _save_nonce(engine, what: str) -> str:
@@ -160,14 +223,22 @@ def periodic_due(engine) -> bool:
 
 
 def save_periodic(engine, root: str) -> str:
-    """Checkpoint ``root/step-NNNNNNNN`` and point ``root/latest`` at it."""
+    """Checkpoint ``root/step-NNNNNNNN`` and point ``root/latest`` at it. With
+    ``checkpoint_async`` the files are written on a thread from a copy of the state, and the
+    checkpoint is finished (renamed, ``latest`` moved) at the next save or at close."""
     name = f"step-{engine.step:08d}"
-    path, owner = _save(engine, Path(root) / name)
-    if owner:
+    finish_pending(engine)
+
+    def point_latest() -> None:
         pointer = Path(root) / (LATEST + ".tmp")
         pointer.write_text(name + "\n")
         os.replace(pointer, Path(root) / LATEST)
-    _barrier(engine, f"checkpoint save to {path} on rank {engine.comm.rank}")
+
+    path = str(Path(root) / name)
+    if engine.cfg.checkpoint_async:
+        engine.loop.pending_save = _save(engine, Path(root) / name, background=True, then=point_latest)
+    else:
+        _save(engine, Path(root) / name, then=point_latest)
     if engine.cfg.checkpoint_every_s is not None:
         engine.loop.cadence.after_save(engine)
     return path
@@ -350,7 +421,8 @@ def _read(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, metadata
 
 
-def _save_model(model: torch.nn.Module, file: Path) -> None:
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the model's tensors (tied weights once)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple]] = set()
     for name, t in model.state_dict().items():
@@ -359,7 +431,7 @@ def _save_model(model: torch.nn.Module, file: Path) -> None:
             continue
         seen.add(key)
         tensors[name] = t.detach().to("cpu").clone().contiguous()
-    _write(tensors, file)
+    return tensors
 
 
 def _load_model(model: torch.nn.Module, file: Path, required: bool) -> None:

@@ -246,6 +246,7 @@ class Engine:
         self._closed = True
         if self.loop.inflight is not None:
             self.loop.drain()
+        ckpt.finish_pending(self)  # a periodic save still being written: finished and renamed
         self.watchdog.close()
         self.worker.close()
         self.clock.flush()
@@ -292,7 +293,7 @@ class Engine:
 
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
-        self.loop.inflight = None
+        self.loop.inflight = self.loop.pending_save = None  # a background save is left unfinished (.tmp)
         if reason == EXIT_PEER:
             self.worker.abort()  # NCCL: ends a lost peer's collective, which wakes the comm thread
         self.watchdog.close(reason)

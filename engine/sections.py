@@ -175,6 +175,9 @@ class RuntimeConfig:
     heartbeat_s: float = setting(1.0, "seconds between liveness heartbeats (at most timeout_s / 3)")
     checkpoint_dir: str | os.PathLike | None = setting(None, "where checkpoints go (to_dict stores a str)")
     checkpoint_every: int = setting(0, "committed steps between checkpoints (0 = never)")
+    checkpoint_async: bool = setting(False, "write periodic checkpoints on a thread from a copy of the state "
+                                     "(the compute side pauses for the copy only); each is finished, and "
+                                     "'latest' moved to it, at the next save or at close")
     checkpoint_every_s: float | None = setting(None, "seconds between checkpoints (the first after the first "
                                                "step; the ranks agree on the step from rank 0's clock at "
                                                "each save); none = by steps only")
@@ -189,6 +192,7 @@ class RuntimeConfig:
         "checkpoint_dir": _checkpoint_dir,
         "checkpoint_every": integer(0),
         "checkpoint_every_s": optional(number(0, low_open=True), "by steps only"),
+        "checkpoint_async": boolean,
         "progress": boolean,
         "record_timeline": boolean,
         "poison_freed_buffers": boolean,

@@ -29,6 +29,7 @@ class RoundLoop:
         self.cpu_mark = (time.process_time(), time.thread_time())
         # checkpoint_every_s: the step of the next time-based checkpoint, agreed at each save
         self.cadence = Cadence(engine.step) if engine.cfg.checkpoint_every_s is not None else None
+        self.pending_save = None  # checkpoint_async: the periodic save being written (engine/checkpoint.py)
 
     # ------------------------------------------------------------------ what a loop decides
     def boundary(self, exhausted: bool) -> bool:

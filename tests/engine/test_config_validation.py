@@ -225,6 +225,7 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"checkpoint_every": 2.5, "checkpoint_dir": "run"}, "checkpoint_every must be an integer >= 0, got 2.5"),
     ({"checkpoint_every": True, "checkpoint_dir": "run"}, "checkpoint_every must be an integer >= 0, got True"),
     ({"checkpoint_every": "5", "checkpoint_dir": "run"}, "checkpoint_every must be an integer >= 0, got '5'"),
+    ({"checkpoint_async": 1}, "checkpoint_async must be True or False (a bool, not 0/1 or a string), got 1"),
     ({"checkpoint_every_s": 60}, "checkpoint_every_s is set but checkpoint_dir is not"),
     ({"checkpoint_every_s": 0, "checkpoint_dir": "run"},
      "checkpoint_every_s must be None (by steps only) or a finite number > 0, got 0"),
