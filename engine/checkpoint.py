@@ -37,11 +37,15 @@ from pathlib import Path
 import torch
 import torch.distributed
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_bytes
 from safetensors.torch import save_file
 
 
+from . import checkpoint_peers as peers
 from . import reshard
+from .checkpoint_peers import rank_file
 from .config import STRUCTURAL_FIELDS, EngineConfig
+from .context import start_process_group, trainable_parameters
 from .loss import default_loss
 
 log = logging.getLogger("acco_loco")
@@ -52,10 +56,6 @@ CHECKSUMS = "checksums"  # safetensors metadata key (and engine.json field: the 
 CHECKSUM_ALGO = "blake2b-128"
 DEFAULT_LOSS = f"{default_loss.__module__}.{default_loss.__qualname__}"  # recorded as null
 _UNRECORDED = object()  # engine.json of a checkpoint written before loss_fn was recorded
-
-
-def rank_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.safetensors"
 
 
 def save(engine, directory: str | os.PathLike) -> str:
@@ -149,19 +149,33 @@ def _save(engine, directory: str | os.PathLike, background: bool = False, then=N
     tensors, meta = engine.state_dict()
     if background:  # the state's CPU tensors are the live ones: the thread writes a copy
         tensors = {k: v.clone() for k, v in tensors.items()}
+    rank_path = tmp / rank_file(comm.rank, comm.world_size)
+    encoded, buddies = None, {}
+    if comm.world_size > 1:
+        try:
+            owners = peers.directory_owners(sharing[0], engine.device)
+            if len(set(owners)) > 1:  # directories per node: keep the next node's files too
+                encoded = _encode(tensors, {"engine": json.dumps(meta)})
+                buddies = peers.exchange_buddy_copies(owners, comm.rank, encoded, engine.device)
+        except Exception as exc:
+            raise engine.watchdog.diagnose(what) from exc
     info = None
     if owner:
         info = {"format": FORMAT, "world_size": comm.world_size, "step": engine.step,
                 "config": engine.cfg.to_dict(), "loss_fn": _saved_loss_name(engine.loss_fn),
                 CHECKSUMS: CHECKSUM_ALGO}
-    rank_path = tmp / rank_file(comm.rank, comm.world_size)
 
     def write() -> None:
         if model is not None:
             _write(model, tmp / "model.safetensors")
-        _write(tensors, rank_path, {"engine": json.dumps(meta)})
+        if encoded is None:
+            _write(tensors, rank_path, {"engine": json.dumps(meta)})
+        else:
+            _write_bytes(encoded, rank_path)
+        for src, data in buddies.items():
+            _write_bytes(data, tmp / rank_file(src, comm.world_size))
 
-    pending = _Pending(engine, final, tmp, owner, sharing, info, then)
+    pending = _Pending(engine, final, tmp, owner, sharing + sorted(buddies), info, then)
     if background:
         pending.start(write)
         return pending
@@ -259,7 +273,24 @@ def resolve(directory: str | os.PathLike) -> Path:
 
 
 def load(cls, directory, model, cfg: EngineConfig | None, loss_fn, max_steps: int | None = None):
-    path = resolve(directory)
+    """Every rank of the run calls it. With several ranks, the ranks agree on the checkpoint and a
+    rank gets the files its disk lacks from live peers (engine/checkpoint_peers.py)."""
+    device, rank, world = start_process_group(trainable_parameters(model), cfg or EngineConfig())
+    if world == 1:
+        return _load(cls, resolve(directory), model, cfg, loss_fn, max_steps)
+    path, scratch = peers.gather_checkpoint(directory, rank, world, device, _lost_peer)
+    try:
+        return _load(cls, resolve(path), model, cfg, loss_fn, max_steps)
+    finally:
+        peers.remove_scratch(scratch)
+
+
+def _lost_peer(what: str) -> RuntimeError:
+    return RuntimeError(f"{what} failed: a peer was lost or stalled before the engine started (its own "
+                        "error says why); restart the run")
+
+
+def _load(cls, path: Path, model, cfg: EngineConfig | None, loss_fn, max_steps: int | None):
     try:
         info = json.loads((path / "engine.json").read_text())
     except json.JSONDecodeError as exc:
@@ -375,11 +406,25 @@ def _digest(data) -> str:
     return h.hexdigest()
 
 
-def _write(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+def _checked_metadata(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> dict[str, str]:
     metadata = dict(metadata or {})
     sums = {"algo": CHECKSUM_ALGO, "tensors": {k: _digest(v) for k, v in tensors.items()},
             "metadata": {k: _digest(v) for k, v in metadata.items()}}
-    save_file(tensors, str(file), metadata={**metadata, CHECKSUMS: json.dumps(sums)})
+    return {**metadata, CHECKSUMS: json.dumps(sums)}
+
+
+def _write(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+    save_file(tensors, str(file), metadata=_checked_metadata(tensors, metadata))
+
+
+def _encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The bytes ``_write`` would put in a file (a rank file sent to its buddy)."""
+    return save_bytes(tensors, metadata=_checked_metadata(tensors, metadata))
+
+
+def _write_bytes(data: bytes, file: Path) -> None:
+    with open(file, "wb") as f:
+        f.write(data)
 
 
 def _read(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -465,10 +510,12 @@ def _restore_resized(engine, path: Path, saved_world: int, required: bool) -> No
     """A checkpoint of ``saved_world`` workers at this run's world size: every rank reads every
     rank file and re-cuts the state for its new shard (engine/reshard.py says by which rules)."""
     info = json.loads((path / "engine.json").read_text())
-    if "ranks_here" in info:
+    absent = [r for r in range(saved_world) if not (path / rank_file(r, saved_world)).is_file()]
+    if absent and "ranks_here" in info:
         raise ValueError(f"the checkpoint in {path} is node-local: it holds the files of ranks {info['ranks_here']} "
                          f"of {saved_world}, and re-cutting for {engine.world_size} workers needs all of them. Resume "
-                         f"with {saved_world} workers, or copy every node's rank files into one directory")
+                         "with the ranks of the other nodes running (they send their files), or copy every "
+                         "node's rank files into one directory")
     old = [_read_rank_state(path / rank_file(r, saved_world), required) for r in range(saved_world)]
     tensors, meta, report = reshard.recut(engine, old, f"the checkpoint in {path}")
     engine.load_state_dict(tensors, meta, where=f"{path} (re-cut from {saved_world} to {engine.world_size} workers)")

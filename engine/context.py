@@ -3,17 +3,22 @@ every replica started from rank 0's fp32 values, and the reducer and gatherer bu
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 
 from acco_loco.optim import init_state
 
 from .collectives import codec_groups, make_collectives
-from .comm import resolve_chunks
+from .comm import init_process_group, resolve_chunks
+from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
 from .layout import make_two_level_collectives
 from .rounds import RoundContext
+
+log = logging.getLogger("acco_loco")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list:
@@ -23,6 +28,29 @@ def trainable_parameters(model: torch.nn.Module) -> list:
         raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                          "unfreeze at least one parameter")
     return named
+
+
+def start_process_group(named: list, cfg) -> tuple[torch.device, int, int]:
+    """(the model's device, rank, world size): the device made current, and on CPU the freed-memory
+    setting applied before the process group and the comm thread start."""
+    device = named[0][1].device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif cfg.keep_cpu_memory:
+        keep_freed_memory()
+    warn_shared_elastic_store()
+    return (device, *init_process_group(device, cfg.timeout_s))
+
+
+def warn_shared_elastic_store() -> None:
+    """torchrun's workers share the rendezvous agent's store by default; after an elastic restart
+    the store still holds the last attempt's keys and a new process group can connect to a dead
+    worker's address and hang (pytorch/pytorch#135712): say how to turn the sharing off."""
+    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        log.warning("torchrun with --max-restarts shares its rendezvous store with the workers: a restarted "
+                    "run can hang creating its process groups (pytorch/pytorch#135712). Launch with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment")
 
 
 def build_context(engine, named: list) -> RoundContext:

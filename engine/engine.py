@@ -23,10 +23,9 @@ from .agreement import check_agreement
 from .auto import resolve as resolve_auto
 from .batching import Accumulation
 from .clock import make_clock
-from .comm import Comm, default_store, init_process_group
+from .comm import Comm, default_store
 from .config import EngineConfig
-from .context import build_context, trainable_parameters
-from .cpu_memory import keep_freed_memory
+from .context import build_context, start_process_group, trainable_parameters
 from .dealing import deal
 from .layout import choose_topology
 from .loop import StepResult, done_message, loop_end
@@ -60,12 +59,7 @@ class Engine:
         self.spec = cfg.optimizer_spec()
 
         named = trainable_parameters(model)
-        device = named[0][1].device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        elif cfg.keep_cpu_memory:
-            keep_freed_memory()  # before the process group and the comm thread start
-        rank, world = init_process_group(device, cfg.timeout_s)
+        device, rank, world = start_process_group(named, cfg)
         self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
         check_agreement(model, cfg, rank, world, device)  # before any collective that depends on sizes
         self.comm = Comm(rank, world, peer_nodes=[self.layout.node_of(r) for r in range(world)])
