@@ -245,7 +245,8 @@ def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     ckpt_root = out / "checkpoints"
     has_ckpt = (ckpt_root / ckpt.LATEST).is_file()
     saved_file = out / "config.json"
-    if cfg.resume and not has_ckpt:
+    if cfg.resume and not has_ckpt and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # with several workers a rank whose own disk lacks it gets it from its peers at load
         raise RecipeError(f"--resume: no checkpoint in {ckpt_root} (no 'latest' pointer); "
                           "start without --resume")
     if has_ckpt:
@@ -437,11 +438,39 @@ def start_engine(cfg: FinetuneConfig, model, ecfg: EngineConfig, out: Path, main
     if main and len(kept) != len(previous):
         metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     prev_train = [r for r in kept if r.get("kind") == "train"]
-    say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} "
+    say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} at {engine.world_size} worker(s) "
         f"(this worker consumed {engine.consumed} micro-batches)")
+    if main:
+        say(work_lost(previous, engine.step))
     # the time axis continues from the last line kept
     return (engine, max((r.get("elapsed_s", 0.0) for r in kept), default=0.0),
             prev_train[-1]["samples_total"] if prev_train else 0)
+
+
+def work_lost(rows: list[dict], step: int) -> str:
+    """What a restart cost, from the metrics of the run before it: the steps trained after the
+    checkpoint (redone now) and the time from the last step logged to this resume."""
+    train = [r for r in rows if r.get("kind") == "train"]
+    at_ckpt = [r for r in train if r["step"] <= step]
+    after = [r for r in train if r["step"] > step]
+    redo_s = (after[-1]["elapsed_s"] - at_ckpt[-1]["elapsed_s"]) if after and at_ckpt else 0.0
+    walls = [r["wall"] for r in train if "wall" in r]
+    gap = f"{time.time() - walls[-1]:.1f} s from the last step logged to this resume" if walls else \
+        "restart time unknown (no step logged)"
+    return (f"work lost: {len(after)} step(s) after the checkpoint at step {step} "
+            f"({redo_s:.1f} s of training, redone now); {gap}")
+
+
+def elastic_restart(cfg: FinetuneConfig, out: Path) -> FinetuneConfig:
+    """Under torchrun's elastic restarts the same command runs again: from the second attempt on,
+    resume from the latest checkpoint when any rank has one (every rank decides alike; a rank
+    whose disk lacks it gets the files from its peers)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or cfg.resume:
+        return cfg
+    has = torch.tensor([int((out / "checkpoints" / ckpt.LATEST).is_file())])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    return dataclasses.replace(cfg, resume=True) if has.item() else cfg
 
 
 class RunLog:
@@ -454,7 +483,7 @@ class RunLog:
         self.samples_total = samples_total
         # the per-step rows gather every rank's entry while the engine's comm thread may have a
         # round in flight on the default group: their own group keeps the two orders apart
-        self.group = (dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized()
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s)) if dist.is_available() and dist.is_initialized()
                       and dist.get_world_size() > 1 else None)
 
     def elapsed(self) -> float:
@@ -492,7 +521,7 @@ class RunLog:
                 "wire_bytes": [h.get("wire_bytes") for h in per],
                 "time_s": entry["time_s"], "elapsed_s": elapsed,
                 "micro_batches": [h.get("micro_batches") for h in per],
-                "grad_norm": entry["grad_norm"], "skipped": entry["skipped"]})
+                "grad_norm": entry["grad_norm"], "skipped": entry["skipped"], "wall": time.time()})
         return elapsed
 
 
@@ -552,14 +581,17 @@ def run(cfg: FinetuneConfig) -> None:
     # refuse cheap mistakes before loading anything
     compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
     ecfg = engine_config(cfg, compute_dtype, ckpt_root)
+    cfg = elastic_restart(cfg, out)
     check_output_dir(cfg, out)
     prepare_output_dir(out, rank)
     if cfg.train_layers < 1:
         raise RecipeError(f"--train-layers must be at least 1, got {cfg.train_layers}")
 
     model, tokenizer, stream, held_tokens = prepare_model_and_data(cfg, accelerator, compute_dtype)
-    if main:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    # every rank: without a shared filesystem each node's OUT needs its own copy to resume from
+    written = out / f".config.json.rank{rank}"
+    written.write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    os.replace(written, out / "config.json")
     accelerator.wait_for_everyone()
     engine, offset_s, samples_total = start_engine(cfg, model, ecfg, out, main, say)
     if engine.step >= cfg.max_steps:
