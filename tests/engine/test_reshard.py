@@ -1,4 +1,4 @@
-"""Resume at another world size: save at 3 workers, load at 2, at 1 and grown back to 3.
+"""Resume at another world size: save at 3 workers, load at 4 and at 2, then at 1 and grown back to 3.
 
 The sharded master and moments are the same full vectors re-cut (torch.equal), the error-feedback
 sum over workers is kept (spread evenly), DiLoCo keeps theta_sync and each survivor's own local
@@ -17,7 +17,7 @@ from engine.dealing import GlobalBatches
 from engine.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
-G = 6  # global micro-batches per step: at least 2 per worker and acco round at 3 workers
+G = 8  # global micro-batches per step: acco runs 2 rounds of at least one per worker at 4 workers
 CASES = {
     "zero1": dict(strategy="zero1", global_micro_batches=G),
     "acco_loco4": dict(strategy="acco", codec="loco4", group_size=8, global_micro_batches=G),
@@ -148,6 +148,9 @@ def test_resume_at_fewer_then_more_workers(tmp_path, caplog):
     root = str(tmp_path)
     spawn(first_run, 3, root)
     three = {name: _saved(root, name, 3) for name in CASES}
+    four = spawn(resumed_run, 4, root, 3, 2)  # grown: a new rank starts from the carried state
+    for name in CASES:
+        _check(three[name], four, name, 3, 4)
     two = spawn(resumed_run, 2, root, 3, 2)
     for name in CASES:
         _check(three[name], two, name, 3, 2)
