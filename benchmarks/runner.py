@@ -66,6 +66,7 @@ class RunFailed(RuntimeError):
 
 def base_spec(args, seed: int, micro_batch: int) -> dict:
     return {
+        "model": args.model, "train_layers": args.train_layers,
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
         "micro_batch": micro_batch, "seed": seed, "heldout": args.heldout,
         "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,

