@@ -31,7 +31,7 @@ VALIDATION_FILES = (
     "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
     "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
     "bench_hetero_b96_3seeds.json", "bench_hetero_b48_s0.json", "sweep_1gbit_b16.json", "sweep_1gbit_b64.json",
-    "bench_b16_seed0.json",
+    "bench_b16_seed0.json", "smollm2_100mbit_2seeds.json", "smollm2_1gbit_2seeds.json",
 )
 # (bench_20mbit_b16_s0.json and bench_20mbit_b16_seeds.json are earlier merges of the seeds3 file)
 
@@ -41,6 +41,7 @@ BENCH_MODES = {
     "zero1": (Mode("zero1"), "speed"),
     "zero1+equal-shares": (Mode("zero1"), "equal"),
     "acco": (Mode("acco"), "speed"),
+    "acco+loco4": (Mode("acco", "loco4", "int8"), "speed"),
     "acco+loco4+int4params": (Mode("acco", "loco4", "int4"), "speed"),
     "onebit-adam": (Mode("onebit_adam"), "speed"),
     "diloco-h15": (Mode("diloco", inner_steps=15), "speed"),
@@ -75,7 +76,23 @@ def parse_rate(text: str) -> float:
     raise ValueError(f"unknown rate {text!r}")
 
 
+# SmolLM2-135M (hidden 576, 30 blocks, 9 query and 3 key/value heads of 64, MLP 1536, vocabulary
+# 49152, tied embeddings): 134,515,008 parameters; a block holds 2 x 576^2 (q, o) + 2 x 576 x 192
+# (k, v) + 3 x 576 x 1536 (MLP) + 2 x 576 (norms) = 3,540,096, the final norm 576
+SMOLLM2 = {"params": 134_515_008, "layers": 30, "hidden": 576, "vocab": 49152, "block": 3_540_096, "norm": 576}
+
+
 def testbed_shape(cfg: dict) -> ModelShape:
+    """The benchmark's model: the quick start's SmolLM2-135M with its top ``train_layers`` blocks
+    and final norm trainable (``--model smollm2``), or the GPT-2 below."""
+    if cfg.get("model") == "smollm2":
+        trainable = cfg["train_layers"] * SMOLLM2["block"] + SMOLLM2["norm"]
+        return ModelShape(SMOLLM2["params"], SMOLLM2["layers"], SMOLLM2["hidden"], SMOLLM2["vocab"],
+                          cfg["seq_len"], trainable_fraction=trainable / SMOLLM2["params"])
+    return gpt2_shape(cfg)
+
+
+def gpt2_shape(cfg: dict) -> ModelShape:
     """The benchmark's GPT-2 (lm.models.tiny_gpt2: byte vocabulary 257, seq_len + 1 positions,
     tied embeddings), counted exactly: 12 L h^2 + 13 L h + 2 h + (257 + seq_len + 1) h."""
     L, h, t = cfg["n_layer"], cfg["n_embd"], cfg["seq_len"]
