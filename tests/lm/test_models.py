@@ -109,6 +109,14 @@ def test_precision_helpers(monkeypatch):
     assert pick_compute_dtype("meta") == torch.float32
 
 
+def test_bf16_counts_as_fast_on_cpu_only_with_amx(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert M.bf16_supported_on_cpu() is False  # AVX512-BF16 alone: slower than fp32, measured
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert M.bf16_supported_on_cpu() is True
+
+
 def test_bf16_probe_survives_old_torch(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
