@@ -49,6 +49,22 @@ def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype)
 
 
+DECODE_BLOCK_VALUES = 1 << 24  # fp32 values decoded at once (64 MB): rows are decoded in blocks
+
+
+def _decoded_rows(codec, rows: torch.Tensor, p: int, s: int, numel: int):
+    """(first row, end row, their decoded pieces as (rows, numel) fp32) for blocks of the received
+    ``rows`` (payload ``[:p]``, scales ``[p:p + s]`` each): one decode per block instead of one per
+    row. Decoding is per group, so a block's concatenated rows decode to the rows' own values."""
+    block = max(1, DECODE_BLOCK_VALUES // max(1, numel))
+    for j0 in range(0, rows.shape[0], block):
+        j1 = min(rows.shape[0], j0 + block)
+        out = torch.empty((j1 - j0) * numel, dtype=torch.float32, device=rows.device)
+        scales = _bytes_as(rows[j0:j1, p:p + s], codec.scale_dtype).reshape(-1)
+        codec.decode(rows[j0:j1, :p].contiguous().view(-1), scales, out=out)
+        yield j0, j1, out.view(j1 - j0, numel)
+
+
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return scales.contiguous().view(torch.uint8)
 
@@ -219,12 +235,10 @@ class CompressedGrads:
                                recvs[0].shape[1], b - a, codec.bits, codec.group_size, target.data_ptr())
             return
         weights = _bytes_as(recvs[0][:, wpos:wpos + 4], torch.float32).view(-1)  # stays on the device
-        part = torch.empty(b - a, dtype=torch.float32, device=out.device)
         target.zero_()
-        for j in range(recv.shape[0]):
-            row_scales = _bytes_as(recv[j, p:p + s], codec.scale_dtype)
-            codec.decode(recv[j, :p].contiguous(), row_scales, out=part)
-            target.addcmul_(part, weights[j])
+        for j0, j1, parts in _decoded_rows(codec, recv, p, s, b - a):
+            for j in range(j1 - j0):  # in row order, one addcmul each: the bits of one row at a time
+                target.addcmul_(parts[j], weights[j0 + j])
 
     def begin_step(self) -> None:
         self.feedback.mark()  # a skipped step goes back here: it must leave no error behind
@@ -372,14 +386,12 @@ class DeltaParams(_Gatherer):
                 kernels.decode_add(rows.data_ptr(), n, rows.shape[1], p, b - a, codec.bits, codec.group_size,
                                    held.data_ptr() + 4 * a, shard)
                 continue
-            delta = torch.empty(b - a, dtype=torch.float32, device=held.device)
-            for j in range(n):
-                view = held[j * shard + a:j * shard + b]
-                codec.decode(rows[j, :p].contiguous(), scales[j], out=delta)
+            for j0, j1, deltas in _decoded_rows(codec, rows, p, rows.shape[1] - p, b - a):
+                view = held.view(n, shard)[j0:j1, a:b]  # each row's piece in its replica's shard
                 if held.dtype == torch.float32:
-                    view.add_(delta)
+                    view.add_(deltas)
                 else:
-                    view.copy_(view.to(torch.float32).add_(delta))
+                    view.copy_(view.to(torch.float32).add_(deltas))
         return []
 
 
