@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,14 +29,12 @@ from pathlib import Path
 import psutil  # installed with accelerate
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.local_group import free_port  # noqa: E402
+
 RECIPE = REPO / "recipes" / "finetune.py"
 NODES = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe_args(args, out: Path, seed: int) -> list[str]:

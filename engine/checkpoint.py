@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from . import checkpoint_peers as peers
 from . import reshard
-from .checkpoint_peers import rank_file
+from .checkpoint_peers import LATEST, rank_file
 from .config import STRUCTURAL_FIELDS, EngineConfig
 from .context import start_process_group, trainable_parameters
 from .loss import default_loss
@@ -51,7 +51,6 @@ from .loss import default_loss
 log = logging.getLogger("acco_loco")
 
 FORMAT = 1  # checksums and loss_fn are optional additions: format-1 readers ignore them
-LATEST = "latest"
 CHECKSUMS = "checksums"  # safetensors metadata key (and engine.json field: the algorithm)
 CHECKSUM_ALGO = "blake2b-128"
 DEFAULT_LOSS = f"{default_loss.__module__}.{default_loss.__qualname__}"  # recorded as null
@@ -147,18 +146,18 @@ def _save(engine, directory: str | os.PathLike, background: bool = False, then=N
 
     model = _model_tensors(engine.model) if owner else None  # copies
     tensors, meta = engine.state_dict()
-    if background:  # the state's CPU tensors are the live ones: the thread writes a copy
-        tensors = {k: v.clone() for k, v in tensors.items()}
     rank_path = tmp / rank_file(comm.rank, comm.world_size)
     encoded, buddies = None, {}
     if comm.world_size > 1:
         try:
             owners = peers.directory_owners(sharing[0], engine.device)
             if len(set(owners)) > 1:  # directories per node: keep the next node's files too
-                encoded = _encode(tensors, {"engine": json.dumps(meta)})
+                encoded = _encode(tensors, {"engine": json.dumps(meta)})  # the file's bytes: a copy
                 buddies = peers.exchange_buddy_copies(owners, comm.rank, encoded, engine.device)
         except Exception as exc:
             raise engine.watchdog.diagnose(what) from exc
+    if background and encoded is None:  # the state's CPU tensors are the live ones: the thread writes a copy
+        tensors = {k: v.clone() for k, v in tensors.items()}
     info = None
     if owner:
         info = {"format": FORMAT, "world_size": comm.world_size, "step": engine.step,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("acco_loco")
 
-LATEST = "latest"  # the pointer file of a checkpoint root (engine/checkpoint.py)
+LATEST = "latest"  # the pointer file of a checkpoint root, naming its newest checkpoint
 MODEL, INFO = "model.safetensors", "engine.json"
 
 
@@ -176,12 +176,8 @@ def gather_checkpoint(directory: str | Path, rank: int, world: int, device: torc
         for f in _needed(saved_world, r, world):
             if r not in holders[f]:
                 plan.append((f, holders[f][0], r))
-    if not any(dst == rank for _, _, dst in plan) and not any(src == rank for _, src, _ in plan):
+    if not any(rank in (src, dst) for _, src, dst in plan):
         return here, None
-    sizes = {f: None for f, _, _ in plan}
-    for f in sizes:  # the size as the source lists it
-        src = holders[f][0]
-        sizes[f] = every[src]["checkpoints"][name]["files"][f]
     works, received = [], {}
     try:
         for tag, (f, src, dst) in enumerate(plan):
@@ -189,7 +185,8 @@ def gather_checkpoint(directory: str | Path, rank: int, world: int, device: torc
                 data = torch.frombuffer(bytearray((here / f).read_bytes()), dtype=torch.uint8).to(device)
                 works.append((dist.isend(data, dst=dst, tag=tag), data))
             elif dst == rank:
-                received[f] = torch.empty(sizes[f], dtype=torch.uint8, device=device)
+                size = every[src]["checkpoints"][name]["files"][f]  # as the source lists it
+                received[f] = torch.empty(size, dtype=torch.uint8, device=device)
                 works.append((dist.irecv(received[f], src=src, tag=tag), received[f]))
         for work, _ in works:
             work.wait()
