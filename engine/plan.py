@@ -153,8 +153,13 @@ def main(argv=None) -> int:
                                           "rank_bytes": r.time.bytes.rank, "intra_rank_bytes": r.time.bytes.intra_rank,
                                           "memory_bytes": r.memory.total, "memory": asdict(r.memory),
                                           "loss_vs_adamw_pct": r.quality.loss_vs_adamw_pct,
-                                          "loss_sources": list(r.quality.sources)} for r in plan.rows],
-               "recommended": plan.choice.mode.name, "why": plan.why}
+                                          "loss_sources": list(r.quality.sources),
+                                          "samples_to_adamw_loss": r.factor.factor,
+                                          "samples_sources": list(r.factor.sources),
+                                          "to_loss_vs_ddp": r.to_loss_vs_ddp} for r in plan.rows],
+               "recommended": plan.choice.mode.name, "why": plan.why,
+               "soonest": plan.soonest.mode.name if plan.soonest else None, "why_soonest": plan.why_soonest,
+               "measured": asdict(measured) if measured is not None else None}
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

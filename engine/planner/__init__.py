@@ -1,6 +1,6 @@
 """The planner (`python -m engine.plan`, docs/DESIGN.md section 12): from a model, a cluster and a
 batch it predicts, for every strategy and codec, the step time, the bytes per node link, the
-memory per GPU and the measured loss per sample, and recommends one. One job per file:
+memory per GPU, the measured loss per sample and the time to AdamW's loss, and recommends one. One job per file:
 
 - ``shape``: the model's parameter counts (a transformers config or a stated shape);
 - ``modes``: the strategies and codecs the planner compares (names as the engine spells them);
@@ -8,8 +8,8 @@ memory per GPU and the measured loss per sample, and recommends one. One job per
 - ``hardware``: compute and comm-side costs (GPU node, or the CPU testbed's measured constants);
 - ``timeline``: a step's time from the strategy's round timeline;
 - ``memory``: bytes per GPU;
-- ``quality``: the loss per sample against AdamW from docs/results;
-- ``plan``: the rows and the recommendation;
+- ``quality``: the loss per sample against AdamW, and the samples to AdamW's loss, from docs/results;
+- ``plan``: the rows, the recommendation (AdamW's class) and the soonest to AdamW's loss;
 - ``validate``: predicted against measured on the testbed JSONs;
 - ``probe``: ``--measure``, timed collectives and micro-batches on the running cluster.
 """

@@ -5,7 +5,10 @@ Over the current process group (gloo or NCCL; initialised from the launcher's en
 
 - **between nodes**: a timed ``all_to_all_single`` over each rail (the ranks with the same local
   rank, one per node) with ``payload`` bytes per rank, all rails at once: a node's link carries
-  G (M-1)/M payload, so its rate is that over the time (median of ``repeats``, slowest rank);
+  G (M-1)/M payload, so its rate is that over the time (median of ``repeats``, slowest rank).
+  The payload goes as the engine sends it: on gloo in the pieces its ``comm_chunks="auto"``
+  issues at once (one gloo collective fills about half a shaped link, at 20 Mbit/s measured
+  10 Mbit/s per direction against 17-18 for the pieces), on NCCL as one collective;
 - **inside the node** (G > 1): a timed ``all_gather_into_tensor`` over the node's group, (G-1)/G
   payload per rank over the time;
 - **compute**: a few forward + backward passes of the model (or a caller's closure), after one
@@ -112,16 +115,40 @@ def _timed(run: Callable[[], None], group, device, repeats: int) -> float:
     return _slowest(statistics.median(times), device)
 
 
-def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> float:
-    send = torch.zeros(payload // size * size, dtype=torch.uint8, device=device)
+def _pieces(device) -> int:
+    """How many async pieces the engine splits a large collective into here (engine.comm)."""
+    from ..comm import AUTO_CHUNKS
+
+    return 1 if device.type == "cuda" else AUTO_CHUNKS
+
+
+def _in_pieces(issue: Callable[[int, bool], object], pieces: int) -> Callable[[], None]:
+    """Run ``issue(piece, async_op)`` for every piece, all in flight at once, then wait."""
+    def run():
+        works = [issue(i, True) for i in range(pieces)]
+        for w in works:
+            w.wait()
+    return run
+
+
+def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> tuple[float, int]:
+    """(seconds, bytes per rank) of ~``payload`` bytes per rank all-to-all, in the engine's pieces."""
+    pieces = _pieces(device)
+    per = max(1, payload // (size * pieces)) * size
+    send = torch.zeros(pieces, per, dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
-    return _timed(lambda: dist.all_to_all_single(recv, send, group=group), group, device, repeats)
+    return _timed(_in_pieces(lambda i, a: dist.all_to_all_single(recv[i], send[i], group=group, async_op=a),
+                             pieces), group, device, repeats), send.numel()
 
 
-def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> float:
-    piece = torch.zeros(payload // size, dtype=torch.uint8, device=device)
-    out = torch.empty(piece.numel() * size, dtype=torch.uint8, device=device)
-    return _timed(lambda: dist.all_gather_into_tensor(out, piece, group=group), group, device, repeats)
+def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> tuple[float, int]:
+    """(seconds, bytes gathered per rank) of an all-gather of ~``payload`` bytes, in the engine's pieces."""
+    pieces = _pieces(device)
+    per = max(1, payload // (size * pieces))
+    piece = torch.zeros(pieces, per, dtype=torch.uint8, device=device)
+    out = torch.empty(pieces, per * size, dtype=torch.uint8, device=device)
+    return _timed(_in_pieces(lambda i, a: dist.all_gather_into_tensor(out[i], piece[i], group=group, async_op=a),
+                             pieces), group, device, repeats), out.numel()
 
 
 def time_compute(step: Callable[[], None], samples: int, device, repeats: int = 3) -> float:
@@ -181,11 +208,11 @@ def probe_cluster(shape=None, micro_batch: int = 1, model: torch.nn.Module | Non
     rail, node = _groups(nodes, per_node)
     inter = intra = 0.0
     if nodes > 1:
-        t = time_all_to_all(payload, rail, nodes, device, repeats)
-        inter = per_node * (nodes - 1) / nodes * (payload // nodes * nodes) / t
+        t, sent = time_all_to_all(payload, rail, nodes, device, repeats)
+        inter = per_node * (nodes - 1) / nodes * sent / t
     if per_node > 1:
-        t = time_all_gather(payload, node, per_node, device, repeats)
-        intra = (per_node - 1) / per_node * (payload // per_node * per_node) / t
+        t, gathered = time_all_gather(payload, node, per_node, device, repeats)
+        intra = (per_node - 1) / per_node * gathered / t
     rate = 0.0
     if model is not None:
         rate = time_compute(model_step(model, micro_batch, getattr(shape, "seq_len", None)), micro_batch,

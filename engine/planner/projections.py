@@ -35,7 +35,7 @@ COLUMNS = [
 def projection_table() -> str:
     ws = WireSettings(compute_bytes=2)
     head = ["model", "nodes x 8", "Gbit/s", "compute s/step", "DDP bf16 s/step"] + [c for c, _ in COLUMNS] + \
-        ["recommended (AdamW class)"]
+        ["recommended (AdamW class)", "soonest to AdamW's loss (time vs DDP)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in ("1b", "8b", "70b"):
         shape = PRESETS[name]
@@ -53,6 +53,8 @@ def projection_table() -> str:
                     cells.append(f"{r.speedup_vs_ddp:.2f}x")
                 c = plan.choice
                 cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute)")
+                s = plan.soonest
+                cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x)" if s is not None else "-")
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -7,13 +7,22 @@ against torch DDP's (AdamW, the same lr sweep and data order), median over the s
 steps at most), 1-3 seeds; runs of one mode differ by a few tenths of a percent between seeds.
 They say whether a mode keeps AdamW's loss per sample at that scale, not what it does at 1B-70B.
 zero1 is AdamW itself (the same update, float32 summation order aside); dpu has no matched-batch
-measurement (its one-step-stale update is not AdamW's)."""
+measurement (its one-step-stale update is not AdamW's).
+
+``samples_factor`` turns the same runs into what a user pays for: the samples a mode needs to
+reach AdamW's loss, over AdamW's own (docs/DESIGN.md section 12.6). Per seed, against that
+seed's torch DDP run: where the mode reaches DDP's final held-out loss, the samples at which it
+does (linear between eval points) over the samples at which DDP did; where it does not, its
+whole budget over the samples at which DDP had the mode's final loss (what the mode's run was
+worth in AdamW's samples). Both read 1.0 for a mode that tracks AdamW's curve, and neither
+counts a seed that lands 0.01% short of DDP's last point as never arriving."""
 
 from __future__ import annotations
 
 import json
 import statistics
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .modes import Mode
 from .validate import RESULTS
@@ -75,3 +84,80 @@ def quality(mode: Mode, files=QUALITY_FILES) -> Quality:
     if mode.strategy == "dpu":
         return Quality(None, (), "not measured at a matched batch (a one-step-stale update, not AdamW's)")
     return Quality(None, (), "not measured at a matched batch")
+
+
+@dataclass(frozen=True)
+class SampleFactor:
+    factor: float | None  # median over the runs: samples to AdamW's loss / AdamW's own
+    runs: int
+    sources: tuple[str, ...]  # "file seed s: x.xx (reached | equivalent)"
+    warmup_fraction: float | None = None  # 1-bit Adam: its warmup steps over DDP's steps to the loss
+
+
+def first_crossing(evals: list[dict], target: float, key: str = "samples") -> float | None:
+    """``key`` (samples, time_s) at which the held-out loss first reaches ``target``, linear
+    between eval points; None when it never does."""
+    prev = None
+    for e in evals:
+        if e.get("loss") is None:
+            continue
+        if e["loss"] <= target:
+            if prev is None or prev["loss"] == e["loss"]:
+                return e[key]
+            f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
+            return prev[key] + f * (e[key] - prev[key])
+        prev = e
+    return None
+
+
+def run_factor(run: dict, ddp_run: dict) -> tuple[float, str] | None:
+    """(samples factor, how) of one seed's run against the same seed's DDP run (see the module)."""
+    if run.get("final_loss") is None or ddp_run.get("final_loss") is None:
+        return None
+    own = first_crossing(ddp_run["evals"], ddp_run["final_loss"])
+    reached = first_crossing(run["evals"], ddp_run["final_loss"])
+    if reached is not None and own:
+        return reached / own, "reached"
+    worth = first_crossing(ddp_run["evals"], run["final_loss"])
+    budget = max((e["samples"] for e in run["evals"] if e.get("loss") is not None), default=None)
+    if worth and budget:
+        return budget / worth, "equivalent"
+    return None
+
+
+@lru_cache(maxsize=None)  # a plan asks for every mode; the JSONs do not change under a process
+def samples_factor(mode: Mode, files=QUALITY_FILES) -> SampleFactor:
+    name = bench_name(mode)
+    if mode.is_ddp:  # fp32 DDP is AdamW; the bf16 all-reduce was never measured here
+        return SampleFactor(1.0, 0, ("AdamW",)) if mode.ddp_dtype == "float32" else SampleFactor(None, 0, ())
+    xs, sources, warm, seen = [], [], [], set()
+    for f in files:
+        path = RESULTS / f
+        if not path.exists():
+            continue
+        rows = {o["mode"]: o for o in json.loads(path.read_text())["modes"]}
+        if name not in rows or "torch-ddp" not in rows:
+            continue
+        ddp, o = rows["torch-ddp"], rows[name]
+        ddp_runs = {r["seed"]: r for r in ddp["runs"] if r["lr"] == ddp["lr"]}
+        for r in o["runs"]:
+            key = (r["seed"], r.get("final_loss"))
+            if r["lr"] != o["lr"] or r["seed"] not in ddp_runs or key in seen:  # merged JSONs repeat runs
+                continue
+            got = run_factor(r, ddp_runs[r["seed"]])
+            if got is None:
+                continue
+            seen.add(key)
+            xs.append(got[0])
+            sources.append(f"{f} seed {r['seed']}: {got[0]:.2f} ({got[1]})")
+            frozen = (r.get("strategy_facts") or {}).get("frozen_step")
+            if frozen:
+                ddp_steps = first_crossing(ddp_runs[r["seed"]]["evals"], ddp_runs[r["seed"]]["final_loss"], "step")
+                warm.append(frozen / ddp_steps)
+    if not xs and mode.strategy in ("zero1", "acco") and mode.codec in ("none", "loco4") and files == QUALITY_FILES:
+        # as quality(): the measured acco+loco4+int4params has the same or more lossy codecs
+        base = samples_factor(Mode("acco", "loco4", "int4"), files)
+        return SampleFactor(base.factor, base.runs, base.sources + ("inferred from acco+loco4+int4params",))
+    if not xs:
+        return SampleFactor(None, 0, (), None)
+    return SampleFactor(statistics.median(xs), len(xs), tuple(sources), statistics.median(warm) if warm else None)

@@ -161,11 +161,15 @@ def test_cli_prints_a_plan_and_a_reason(capsys, tmp_path):
     assert main(["--model", "1b", "--nodes", "2", "--gpus-per-node", "8", "--inter-gbit", "10",
                  "--global-batch", "256", "--micro-batch", "2", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
-    assert "Recommended:" in text and "[2-level]" in text
+    assert "Recommended (keeps AdamW's loss per sample):" in text and "[2-level]" in text
+    assert "Soonest to AdamW's loss:" in text
     import json
 
     doc = json.loads(out_json.read_text())
     assert doc["recommended"] and len(doc["rows"]) >= 20
+    soonest = next(r for r in doc["rows"] if r["mode"] == doc["soonest"])
+    # the soonest, or within 3% of it the simplest
+    assert soonest["to_loss_vs_ddp"] <= 1.03 * min(r["to_loss_vs_ddp"] for r in doc["rows"] if r["to_loss_vs_ddp"])
     assert statistics.median(r["step_s"] for r in doc["rows"]) > 0
 
 
@@ -223,6 +227,71 @@ def test_loss_per_sample_comes_from_the_measured_tables():
     assert quality(Mode("sparseloco")).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
     assert quality(Mode("zero1", "loco4", "int8")).note.startswith("inferred")
     assert quality(Mode("dpu")).loss_vs_adamw_pct is None
+
+
+def _curve(samples_per_eval, losses, s_per_sample=1.0):
+    return [{"samples": samples_per_eval * (i + 1), "time_s": s_per_sample * samples_per_eval * (i + 1),
+             "step": i + 1, "loss": x} for i, x in enumerate(losses)]
+
+
+def test_samples_to_adamw_loss_per_run():
+    from engine.planner.quality import first_crossing, run_factor
+
+    ddp = {"evals": _curve(100, [4.0, 3.0, 2.5, 2.0]), "final_loss": 2.0}
+    assert first_crossing(ddp["evals"], 2.75) == pytest.approx(250)  # linear between 200 and 300
+    assert first_crossing(ddp["evals"], 1.0) is None
+    same = {"evals": _curve(100, [4.0, 3.0, 2.5, 2.0]), "final_loss": 2.0}
+    assert run_factor(same, ddp) == (pytest.approx(1.0), "reached")
+    slow = {"evals": _curve(200, [4.0, 3.0, 2.5, 2.0]), "final_loss": 2.0}  # the same curve at twice the samples
+    assert run_factor(slow, ddp) == (pytest.approx(2.0), "reached")
+    # ends short of DDP's last point: its 400 samples were worth the 250 at which DDP had 2.75
+    short = {"evals": _curve(100, [4.0, 3.5, 3.0, 2.75]), "final_loss": 2.75}
+    assert run_factor(short, ddp) == (pytest.approx(400 / 250), "equivalent")
+
+
+def test_samples_factor_comes_from_the_measured_runs():
+    from engine.planner.quality import samples_factor
+
+    assert samples_factor(Mode("torch-ddp")).factor == 1.0
+    assert samples_factor(Mode("torch-ddp", ddp_dtype="bfloat16")).factor is None  # never measured
+    acco = samples_factor(Mode("acco", "loco4", "int4"))
+    assert acco.runs >= 8 and 0.85 < acco.factor < 1.15, acco.sources  # tracks AdamW's curve
+    assert samples_factor(Mode("zero1")).factor == pytest.approx(1.0, abs=0.02)
+    sparse = samples_factor(Mode("sparseloco"))
+    assert sparse.runs >= 3 and 1.7 < sparse.factor < 2.4  # twice AdamW's samples at H = 15
+    onebit = samples_factor(Mode("onebit_adam"))
+    assert onebit.factor is not None and 0 < onebit.warmup_fraction < 0.5
+    assert samples_factor(Mode("dpu")).factor is None
+
+
+def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
+    from engine.planner.plan import time_to_loss
+    from engine.planner.quality import SampleFactor
+
+    assert time_to_loss(2.0, SampleFactor(1.5, 3, ())) == pytest.approx(3.0)
+    # 20% of AdamW's steps at 10 s (warmup), the other 0.6 at 1 s
+    assert time_to_loss(1.0, SampleFactor(0.8, 2, (), 0.2), 10.0) == pytest.approx(2.0 + 0.6)
+
+
+def _testbed_plan(gbit):
+    shape = validate.gpt2_shape({"n_layer": 6, "n_embd": 256, "seq_len": 128})
+    return make_plan(shape, Layout(2, 1), cpu_testbed(gbit * 1e9, 25.0), Batch(16, 8),
+                     WireSettings(compute_bytes=4), modes=None)
+
+
+def test_soonest_to_adamw_loss_weighs_step_time_against_samples():
+    slow = _testbed_plan(0.02)
+    # 20 Mbit/s: sparseloco's wire is ~0 and its 2x samples cost less than anything's wire
+    assert slow.soonest.mode.name == "sparseloco-h15", slow.why_soonest
+    assert "is not AdamW's" in slow.why_soonest
+    assert slow.choice.adamw_class  # the AdamW-class recommendation stays one
+    ranked = sorted((r for r in slow.rows if r.to_loss_vs_ddp is not None), key=lambda r: r.to_loss_vs_ddp)
+    assert ranked[0] is slow.soonest
+    fast = _testbed_plan(100)
+    # a link 100x faster than the compute needs: twice the samples is twice the time
+    assert fast.soonest.factor.factor < 1.2, fast.why_soonest
+    sparse = next(r for r in fast.rows if r.mode.name == "sparseloco-h15")
+    assert sparse.to_loss_vs_ddp > 1.5
 
 
 def test_planner_node_link_bytes_match_the_testbed_node_counters():
