@@ -5,7 +5,8 @@ For each link rate: two workers, each in its own network namespace behind a tbf-
 testbed's 2x1 layout, one core each), run the planner with ``--measure`` on the benchmark's
 4.87M GPT-2 (its transformers config written to a folder), B = 16, micro-batch 8, fp32: it times
 an all_to_all over the shaped link and a few micro-batches, and predicts every mode's step time
-and time to AdamW's loss (step time x the measured samples to that loss, quality.samples_factor).
+and time to AdamW's loss (step time x the measured samples to that loss, quality.samples_factor,
+from the runs of the same length as the check's: ``--steps 96``).
 Beside it, what the matched-batch benchmark JSONs of that rate measured: each mode's wall time
 to DDP's final held-out loss over DDP's own, seed against seed (median over seeds). A seed that
 never reached it counts twice: strictly (never, the benchmark's rule: the median is then "not
@@ -46,6 +47,9 @@ FILES = {"20mbit": ("bench_20mbit_b16_seeds3.json",),
                      "bench_100mbit_b16_s0_local.json"),
          "1gbit": ("plancheck_1gbit_b16_2seeds.json", "bench_1gbit_b16_3seeds.json",
                    "bench_1gbit_b16_loss_3seeds.json")}
+
+
+STEPS = 96  # the benchmark runs' length (1536 samples of 16): the planner is told it, as a user would be
 
 
 def run_ratios(run: dict, ddp_run: dict) -> tuple[float, float] | None:
@@ -98,7 +102,7 @@ def probe(rate: str, model_dir: Path, out: Path, prefix: str, timeout_s: float) 
     port = str(free_port())
     argv = [sys.executable, "-m", "engine.plan", "--measure", "--model", str(model_dir), "--seq-len", "128",
             "--cpu-testbed", "--flat-only", "--global-batch", "16", "--micro-batch", "8",
-            "--compute-dtype", "float32", "--json", str(out)]
+            "--compute-dtype", "float32", "--steps", str(STEPS), "--json", str(out)]
     with Testbed(workers=2, link=LinkSpec(rate=rate), prefix=prefix) as bed:
         procs = []
         for rank in range(2):

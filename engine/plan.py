@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch", type=int, default=1024, help="samples per optimizer step, all workers")
     b.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per worker")
     b.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    b.add_argument("--steps", type=int, help="optimizer steps of the planned run: the samples each mode needs to "
+                   "reach AdamW's loss come from the benchmark runs nearest that length (default: all runs)")
     ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange out")
     ap.add_argument("--json", help="write the plan here as JSON")
     return ap
@@ -133,7 +135,10 @@ def main(argv=None) -> int:
     if a.global_batch < layout.world:
         raise SystemExit(f"--global-batch {a.global_batch} gives some of the {layout.world} ranks no sample: "
                          "raise it to at least one sample per rank")
-    plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None)
+    if a.steps is not None and a.steps < 1:
+        raise SystemExit(f"--steps {a.steps}: give the planned run's optimizer steps, at least 1")
+    plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None,
+                     steps=a.steps)
     if measured is not None and measured.rank != 0:
         return 0
     print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "

@@ -57,7 +57,9 @@ def reference_mode(ws: WireSettings) -> Mode:
 
 def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings | None = None,
               modes: list[Mode] | None = None, allowed: tuple[str, ...] | None = None,
-              memory_limit: float | None = None, allow_unmeasured: bool = False) -> Plan:
+              memory_limit: float | None = None, allow_unmeasured: bool = False, steps: int | None = None) -> Plan:
+    """``steps``: the planned run's optimizer steps (the samples to AdamW's loss then come from the
+    benchmark runs nearest that length, quality.samples_factor)."""
     ws = ws or WireSettings()
     modes = modes or candidates(two_level=layout.per_node > 1)
     ref = reference_mode(ws)
@@ -67,7 +69,7 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     ref_s = times[ref].step_s
     rows = []
     for m in modes:
-        factor = SampleFactor(1.0, 0, ("the reference",)) if m == ref else samples_factor(m)
+        factor = SampleFactor(1.0, 0, ("the reference",)) if m == ref else samples_factor(m, steps=steps)
         warm = None
         if factor.warmup_fraction:  # 1-bit Adam's AdamW warmup runs zero1's uncompressed round
             warm = step_time(replace(m, strategy="zero1"), shape, layout, hw, batch, ws).step_s

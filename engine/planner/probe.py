@@ -8,7 +8,7 @@ Over the current process group (gloo or NCCL; initialised from the launcher's en
   G (M-1)/M payload, so its rate is that over the time (median of ``repeats``, slowest rank).
   The payload goes as the engine sends it: on gloo in the pieces its ``comm_chunks="auto"``
   issues at once (one gloo collective fills about half a shaped link, at 20 Mbit/s measured
-  10 Mbit/s per direction against 17-18 for the pieces), on NCCL as one collective;
+  10 Mbit/s per direction against 14-17 for the pieces), on NCCL as one collective;
 - **inside the node** (G > 1): a timed ``all_gather_into_tensor`` over the node's group, (G-1)/G
   payload per rank over the time;
 - **compute**: a few forward + backward passes of the model (or a caller's closure), after one

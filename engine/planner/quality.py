@@ -125,8 +125,19 @@ def run_factor(run: dict, ddp_run: dict) -> tuple[float, str] | None:
     return None
 
 
+def samples_factor(mode: Mode, files=QUALITY_FILES, steps: int | None = None) -> SampleFactor:
+    """The median factor over the runs; with ``steps`` (the planned run's optimizer steps) only
+    over runs whose DDP reference took between 2/3 and 3/2 of that many (all of them when none
+    did): a one-step delay costs a 96-step run more than a 192-step one (ACCO: 1.23 against 0.98)."""
+    if steps is not None:
+        near = _samples_factor(mode, files, steps)
+        if near.factor is not None:
+            return near
+    return _samples_factor(mode, files, None)
+
+
 @lru_cache(maxsize=None)  # a plan asks for every mode; the JSONs do not change under a process
-def samples_factor(mode: Mode, files=QUALITY_FILES) -> SampleFactor:
+def _samples_factor(mode: Mode, files, within: int | None) -> SampleFactor:
     name = bench_name(mode)
     if mode.is_ddp:  # fp32 DDP is AdamW; the bf16 all-reduce was never measured here
         return SampleFactor(1.0, 0, ("AdamW",)) if mode.ddp_dtype == "float32" else SampleFactor(None, 0, ())
@@ -144,6 +155,8 @@ def samples_factor(mode: Mode, files=QUALITY_FILES) -> SampleFactor:
             key = (r["seed"], r.get("final_loss"))
             if r["lr"] != o["lr"] or r["seed"] not in ddp_runs or key in seen:  # merged JSONs repeat runs
                 continue
+            if within is not None and not within / 1.5 <= ddp_runs[r["seed"]]["steps"] <= within * 1.5:
+                continue
             got = run_factor(r, ddp_runs[r["seed"]])
             if got is None:
                 continue
@@ -154,9 +167,11 @@ def samples_factor(mode: Mode, files=QUALITY_FILES) -> SampleFactor:
             if frozen:
                 ddp_steps = first_crossing(ddp_runs[r["seed"]]["evals"], ddp_runs[r["seed"]]["final_loss"], "step")
                 warm.append(frozen / ddp_steps)
-    if not xs and mode.strategy in ("zero1", "acco") and mode.codec in ("none", "loco4") and files == QUALITY_FILES:
+    base_mode = Mode("acco", "loco4", "int4", exchange=mode.exchange)
+    if not xs and mode.strategy in ("zero1", "acco") and mode.codec in ("none", "loco4") and files == QUALITY_FILES \
+            and (mode.codec, mode.param_codec) != ("none", "auto") and mode != base_mode:
         # as quality(): the measured acco+loco4+int4params has the same or more lossy codecs
-        base = samples_factor(Mode("acco", "loco4", "int4"), files)
+        base = _samples_factor(base_mode, files, within)
         return SampleFactor(base.factor, base.runs, base.sources + ("inferred from acco+loco4+int4params",))
     if not xs:
         return SampleFactor(None, 0, (), None)

@@ -264,6 +264,21 @@ def test_samples_factor_comes_from_the_measured_runs():
     assert samples_factor(Mode("dpu")).factor is None
 
 
+def test_samples_factor_of_the_runs_nearest_the_planned_length():
+    from engine.planner.quality import samples_factor
+
+    acco = Mode("acco", "loco4", "int4")
+    short, long_ = samples_factor(acco, steps=96), samples_factor(acco, steps=192)
+    # ACCO's one-step delay costs a 96-step run more than a 192-step one
+    assert short.runs >= 1 and long_.runs >= 3 and short.factor > long_.factor + 0.1
+    # from the 96-step files only (1536 samples of 16), not the 192-step ones
+    assert short.sources and not any("b16_3seeds" in src or "loss_3seeds" in src for src in short.sources)
+    # no run near 5000 steps: every run
+    assert samples_factor(acco, steps=5000) == samples_factor(acco)
+    # plain zero1 is AdamW itself at any length: never inferred from ACCO's codecs
+    assert samples_factor(Mode("zero1"), steps=96).factor == pytest.approx(1.0, abs=0.02)
+
+
 def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
     from engine.planner.plan import time_to_loss
     from engine.planner.quality import SampleFactor
