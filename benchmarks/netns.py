@@ -260,6 +260,13 @@ def requires_root_reason(delay: bool = False) -> str | None:
     return reason
 
 
+def exit_unless_testbed(delay: bool = False) -> None:
+    """A benchmark's first line: stop with the reason when the testbed cannot run here."""
+    reason = requires_root_reason(delay)
+    if reason:
+        raise SystemExit(f"error: the testbed needs root and iproute2: {reason}")
+
+
 # ---------------------------------------------------------------------------------------------
 # stale leftovers
 

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.shaping import LinkSpec  # noqa: E402
-from benchmarks.testbed import Testbed, requires_root_reason  # noqa: E402
+from benchmarks.netns import exit_unless_testbed  # noqa: E402
+from benchmarks.testbed import Testbed  # noqa: E402
 from engine.local_group import free_port  # noqa: E402
 from engine.planner.modes import Mode  # noqa: E402
 from engine.planner.quality import bench_name, first_crossing, run_factor  # noqa: E402
@@ -172,9 +173,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    reason = requires_root_reason()
-    if reason:
-        raise SystemExit(f"error: the testbed needs root and iproute2: {reason}")
+    exit_unless_testbed()
     work = Path(tempfile.mkdtemp(prefix="acl-plancheck-"))
     write_model_config(work / "gpt2")
     results = {}

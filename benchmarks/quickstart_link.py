@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.shaping import LinkSpec  # noqa: E402
-from benchmarks.testbed import Testbed, requires_root_reason  # noqa: E402
+from benchmarks.netns import exit_unless_testbed  # noqa: E402
+from benchmarks.testbed import Testbed  # noqa: E402
 from engine.local_group import free_port  # noqa: E402
 
 
@@ -60,9 +61,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=1500.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    reason = requires_root_reason()
-    if reason:
-        raise SystemExit(f"error: the testbed needs root and iproute2: {reason}")
+    exit_unless_testbed()
     work = Path(tempfile.mkdtemp(prefix="acl-quickstart-"))
     runs = {}
     for name, extra in (("defaults", []), ("tuned", ["--comm-chunks", str(args.tuned_chunks)]),
