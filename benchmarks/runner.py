@@ -69,7 +69,10 @@ def base_spec(args, seed: int, micro_batch: int) -> dict:
         "model": args.model, "train_layers": args.train_layers,
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len,
         "micro_batch": micro_batch, "seed": seed, "heldout": args.heldout,
-        "eval_batches": args.eval_batches, "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
+        # the held-out set is the same sequences for every mode: eval batches of the command's
+        # --micro-batch, not the mode's (a mode at half the micro-batch saw half the set)
+        "eval_batches": args.eval_batches, "eval_micro_batch": args.micro_batch,
+        "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
         "ranks_per_node": ranks_per_node(args),
     }
 

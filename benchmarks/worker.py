@@ -102,8 +102,8 @@ def build_data(spec: dict, rank: int, world: int):
     dealt = spec.get("data") == "dealt"  # one global stream (see global_index), else this rank's own
     stream = TokenBatches(tokenize_documents(train_docs, tok), spec["seq_len"], spec["micro_batch"],
                           rank=0 if dealt else rank, world_size=1 if dealt else world, seed=spec["seed"])
-    held = eval_batches(tokenize_documents(held_docs, tok), spec["seq_len"], spec["micro_batch"],
-                        max_batches=spec["eval_batches"])
+    held = eval_batches(tokenize_documents(held_docs, tok), spec["seq_len"],
+                        spec.get("eval_micro_batch", spec["micro_batch"]), max_batches=spec["eval_batches"])
     return tok, stream, held
 
 

@@ -197,3 +197,22 @@ def test_snapshots_of_a_partly_frozen_model_hold_only_what_trains(monkeypatch):
     rows = snaps.evaluate(model, held, rank=0, world=1)
     assert rows[0]["loss"] == 1.0 and torch.equal(seen[0], kept)
     assert torch.equal(model[0].weight, frozen)
+
+
+def test_every_mode_is_evaluated_on_the_same_held_out_sequences():
+    """A mode's micro-batch (acco's half of DDP's at a matched batch) must not change the held-out
+    set: the eval batches are the command's --micro-batch for every mode."""
+    import torch
+
+    from benchmarks.runner import train_spec
+    from benchmarks.worker import build_data
+
+    args = parse_args(["--modes", "torch-ddp,acco", "--seeds", "1", "--no-lr-sweep", "--global-batch", "16",
+                       "--micro-batch", "8", "--eval-batches", "2", "--seq-len", "32"])
+    specs = {m: train_spec(args, m, 1e-3, 0) for m in ("torch-ddp", "acco")}
+    assert specs["torch-ddp"]["micro_batch"] != specs["acco"]["micro_batch"]  # the premise
+    held = {m: build_data(s, 0, 2)[2] for m, s in specs.items()}
+    a, b = held["torch-ddp"], held["acco"]
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert torch.equal(x["input_ids"], y["input_ids"])
