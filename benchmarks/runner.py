@@ -396,6 +396,8 @@ def config_json(args) -> dict:
     """The parsed arguments as JSON (each mode's batch plan as a dict)."""
     out = {k: v for k, v in vars(args).items() if k != "batch_plans"}
     out["batch_plans"] = {m: dataclasses.asdict(p) for m, p in getattr(args, "batch_plans", {}).items()}
+    # every mode's held-out batches are this size (JSONs without the key scored each mode on its own)
+    out["eval_micro_batch"] = args.micro_batch
     return out
 
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 from .modes import Mode
 from .validate import RESULTS
 
-QUALITY_FILES = ("bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
+QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json", "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
                  "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
                  "bench_hetero_b96_3seeds.json")
 CAVEAT = ("4.87M GPT-2, byte-level Shakespeare, 2-3 workers, 768-3072 samples, 1-3 seeds; held-out loss at "
@@ -39,6 +39,15 @@ class Quality:
     loss_vs_adamw_pct: float | None  # median over the sources; + = worse
     sources: tuple[str, ...]  # "file: +x.x% (n seeds)"
     note: str = ""
+
+
+def scored_like_ddp(doc: dict, row: dict) -> bool:
+    """Whether ``row``'s held-out loss is on DDP's held-out sequences: JSONs made before the
+    benchmark fixed the eval batches (no ``eval_micro_batch`` in their config) scored each mode on
+    batches of its own micro-batch, so a row at another micro-batch than the command's (ACCO's
+    half) saw a different set (README "Results", the correction)."""
+    cfg = doc.get("config", {})
+    return "eval_micro_batch" in cfg or row.get("micro_batch") in (None, cfg.get("micro_batch"))
 
 
 def bench_name(mode: Mode) -> str | None:
@@ -61,8 +70,11 @@ def quality(mode: Mode, files=QUALITY_FILES) -> Quality:
         path = RESULTS / f
         if not path.exists():
             continue
-        for o in json.loads(path.read_text())["modes"]:
+        doc = json.loads(path.read_text())
+        for o in doc["modes"]:
             key = (o.get("loss_vs_ref_pct"), o.get("loss_vs_ref_samples"))
+            if not scored_like_ddp(doc, o):
+                continue
             if o["mode"] == name and key[0] is not None and key not in seen:  # merged JSONs repeat runs
                 seen.add(key)
                 found.append(o["loss_vs_ref_pct"])
@@ -146,8 +158,9 @@ def _samples_factor(mode: Mode, files, within: int | None) -> SampleFactor:
         path = RESULTS / f
         if not path.exists():
             continue
-        rows = {o["mode"]: o for o in json.loads(path.read_text())["modes"]}
-        if name not in rows or "torch-ddp" not in rows:
+        doc = json.loads(path.read_text())
+        rows = {o["mode"]: o for o in doc["modes"]}
+        if name not in rows or "torch-ddp" not in rows or not scored_like_ddp(doc, rows[name]):
             continue
         ddp, o = rows["torch-ddp"], rows[name]
         ddp_runs = {r["seed"]: r for r in ddp["runs"] if r["lr"] == ddp["lr"]}

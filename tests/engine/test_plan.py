@@ -255,7 +255,7 @@ def test_samples_factor_comes_from_the_measured_runs():
     assert samples_factor(Mode("torch-ddp")).factor == 1.0
     assert samples_factor(Mode("torch-ddp", ddp_dtype="bfloat16")).factor is None  # never measured
     acco = samples_factor(Mode("acco", "loco4", "int4"))
-    assert acco.runs >= 8 and 0.85 < acco.factor < 1.15, acco.sources  # tracks AdamW's curve
+    assert acco.runs >= 4 and 0.6 < acco.factor < 1.4, acco.sources  # near AdamW's curve
     assert samples_factor(Mode("zero1")).factor == pytest.approx(1.0, abs=0.02)
     sparse = samples_factor(Mode("sparseloco"))
     assert sparse.runs >= 3 and 1.7 < sparse.factor < 2.4  # twice AdamW's samples at H = 15
@@ -268,15 +268,22 @@ def test_samples_factor_of_the_runs_nearest_the_planned_length():
     from engine.planner.quality import samples_factor
 
     acco = Mode("acco", "loco4", "int4")
-    short, long_ = samples_factor(acco, steps=96), samples_factor(acco, steps=192)
-    # ACCO's one-step delay costs a 96-step run more than a 192-step one
-    assert short.runs >= 1 and long_.runs >= 3 and short.factor > long_.factor + 0.1
-    # from the 96-step files only (1536 samples of 16), not the 192-step ones
-    assert short.sources and not any("b16_3seeds" in src or "loss_3seeds" in src for src in short.sources)
+    short = samples_factor(acco, steps=96)
+    # from the 96-step runs only (1536 samples of 16), not the 48-step (B = 64) or 32-step ones
+    assert short.runs >= 2 and not any("b64" in src or "b96" in src for src in short.sources), short.sources
     # no run near 5000 steps: every run
     assert samples_factor(acco, steps=5000) == samples_factor(acco)
     # plain zero1 is AdamW itself at any length: never inferred from ACCO's codecs
     assert samples_factor(Mode("zero1"), steps=96).factor == pytest.approx(1.0, abs=0.02)
+
+
+def test_rows_scored_on_another_held_out_set_are_left_out():
+    from engine.planner.quality import scored_like_ddp
+
+    before = {"config": {"micro_batch": 8}}
+    assert scored_like_ddp(before, {"micro_batch": 8})
+    assert not scored_like_ddp(before, {"micro_batch": 4})  # ACCO at half DDP's, before the fix
+    assert scored_like_ddp({"config": {"micro_batch": 8, "eval_micro_batch": 8}}, {"micro_batch": 4})
 
 
 def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
