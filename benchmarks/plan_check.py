@@ -37,7 +37,7 @@ from benchmarks.netns import exit_unless_testbed  # noqa: E402
 from benchmarks.testbed import Testbed  # noqa: E402
 from engine.local_group import free_port  # noqa: E402
 from engine.planner.modes import Mode  # noqa: E402
-from engine.planner.quality import bench_name, first_crossing, run_factor  # noqa: E402
+from engine.planner.quality import bench_name, first_crossing, results_doc, run_factor  # noqa: E402
 from engine.planner.validate import RESULTS  # noqa: E402
 
 # the matched-batch (B = 16, 2x1) JSONs of each rate: first the runs made for this check on this
@@ -73,8 +73,7 @@ def run_ratios(run: dict, ddp_run: dict) -> tuple[float, float] | None:
 
 def measured(file: str) -> dict[str, dict]:
     """mode -> its time to DDP's loss over DDP's in one JSON (medians over the seeds DDP ran)."""
-    d = json.loads((RESULTS / file).read_text())
-    rows = {o["mode"]: o for o in d["modes"]}
+    rows = {o["mode"]: o for o in results_doc(file)["modes"]}
     ddp = rows["torch-ddp"]
     ddp_runs = {r["seed"]: r for r in ddp["runs"] if r["lr"] == ddp["lr"]}
     out = {}

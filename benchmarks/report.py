@@ -14,23 +14,12 @@ import sys
 
 from benchmarks.modes import BENCHMARK_MODES, MODES, REFERENCES
 from benchmarks.testbed import parse_rate
+from engine.planner.quality import first_crossing
 
 
 def time_to_target(evals: list[dict], target: float | None) -> float | None:
     """First wall time at which the held-out loss reaches ``target`` (linear between eval points)."""
-    if target is None:
-        return None
-    prev = None
-    for e in evals:
-        if e["loss"] is None:
-            continue
-        if e["loss"] <= target:
-            if prev is None or prev["loss"] == e["loss"]:
-                return e["time_s"]
-            f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
-            return prev["time_s"] + f * (e["time_s"] - prev["time_s"])
-        prev = e
-    return None
+    return None if target is None else first_crossing(evals, target, "time_s")
 
 
 def loss_at_samples(evals: list[dict], samples: float) -> float | None:

@@ -10,7 +10,7 @@ zero1 is AdamW itself (the same update, float32 summation order aside); dpu has 
 measurement (its one-step-stale update is not AdamW's).
 
 ``samples_factor`` turns the same runs into what a user pays for: the samples a mode needs to
-reach AdamW's loss, over AdamW's own (docs/DESIGN.md section 12.6). Per seed, against that
+reach AdamW's loss, over AdamW's own (docs/DESIGN.md section 12.8). Per seed, against that
 seed's torch DDP run: where the mode reaches DDP's final held-out loss, the samples at which it
 does (linear between eval points) over the samples at which DDP did; where it does not, its
 whole budget over the samples at which DDP had the mode's final loss (what the mode's run was
@@ -27,7 +27,8 @@ from functools import lru_cache
 from .modes import Mode
 from .validate import RESULTS
 
-QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json", "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
+QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json",
+                 "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
                  "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
                  "bench_hetero_b96_3seeds.json")
 CAVEAT = ("4.87M GPT-2, byte-level Shakespeare, 2-3 workers, 768-3072 samples, 1-3 seeds; held-out loss at "
@@ -39,6 +40,13 @@ class Quality:
     loss_vs_adamw_pct: float | None  # median over the sources; + = worse
     sources: tuple[str, ...]  # "file: +x.x% (n seeds)"
     note: str = ""
+
+
+@lru_cache(maxsize=None)  # a plan reads every file once per mode; the JSONs do not change under a process
+def results_doc(name: str) -> dict | None:
+    """A benchmark JSON of docs/results, parsed (None when the file is not there). Read-only."""
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def scored_like_ddp(doc: dict, row: dict) -> bool:
@@ -67,10 +75,9 @@ def quality(mode: Mode, files=QUALITY_FILES) -> Quality:
     name = bench_name(mode)
     found, sources, seen = [], [], set()
     for f in files:
-        path = RESULTS / f
-        if not path.exists():
+        doc = results_doc(f)
+        if doc is None:
             continue
-        doc = json.loads(path.read_text())
         for o in doc["modes"]:
             key = (o.get("loss_vs_ref_pct"), o.get("loss_vs_ref_samples"))
             if not scored_like_ddp(doc, o):
@@ -155,10 +162,9 @@ def _samples_factor(mode: Mode, files, within: int | None) -> SampleFactor:
         return SampleFactor(1.0, 0, ("AdamW",)) if mode.ddp_dtype == "float32" else SampleFactor(None, 0, ())
     xs, sources, warm, seen = [], [], [], set()
     for f in files:
-        path = RESULTS / f
-        if not path.exists():
+        doc = results_doc(f)
+        if doc is None:
             continue
-        doc = json.loads(path.read_text())
         rows = {o["mode"]: o for o in doc["modes"]}
         if name not in rows or "torch-ddp" not in rows or not scored_like_ddp(doc, rows[name]):
             continue
