@@ -115,7 +115,7 @@ def translate(ds: Any, world_size: int | None = None) -> Translation:
     handled = {"zero_optimization", "optimizer", "scheduler", "gradient_clipping", "bf16", "fp16",
                "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
     _zero(_section(ds, "zero_optimization"), t)
-    _optimizer(_section(ds, "optimizer"), t)
+    onebit = _optimizer(_section(ds, "optimizer"), t)
     _precision(ds, t)
     _batch(ds, t, world_size)
     _scheduler(_section(ds, "scheduler"), t)
@@ -124,7 +124,7 @@ def translate(ds: Any, world_size: int | None = None) -> Translation:
         t.skip("gradient_clipping", "'auto' (the Trainer's max_grad_norm): pass --max-grad-norm")
     elif clip is not None and clip > 0:  # DeepSpeed: 0 turns clipping off
         t.engine["max_grad_norm"] = float(clip)
-    if t.engine.get("strategy") == "onebit_adam" and t.engine["codec"] != "none":
+    if onebit and t.engine["codec"] != "none":
         t.skip("zero_optimization.zero_quantized_gradients", "1-bit Adam compresses its momentum itself and "
                "warms up on exact gradients: the gradient codec stays 'none'")
         t.engine["codec"] = "none"
@@ -177,16 +177,17 @@ def _zero(zero: dict, t: Translation) -> None:
         t.skip(path + key, _MACHINERY if key in _IGNORED_ZERO else "no counterpart in this engine")
 
 
-def _optimizer(opt: dict, t: Translation) -> None:
+def _optimizer(opt: dict, t: Translation) -> bool:
+    """Maps the optimizer; True when it is a 1-bit one (strategy onebit_adam)."""
     if not opt:
-        return
+        return False
     kind = _get(opt, "type", "optimizer.", "str")
     params = _get(opt, "params", "optimizer.", "dict") or {}
     name = (kind or "").lower()
     if name not in DS_ADAM + DS_ONEBIT:
         t.skip(f"optimizer.type={kind}", "the engine's optimizers are adamw, sgd and 1-bit Adam "
                "(strategy onebit_adam): choose one of them")
-        return
+        return False
     path = "optimizer.params."
     lr = _get(params, "lr", path, "number", auto=True)
     if lr == AUTO:
@@ -236,6 +237,7 @@ def _optimizer(opt: dict, t: Translation) -> None:
                 t.skip(path + "bias_correction=false", "the engine's AdamW always corrects the moments' bias")
     for key in sorted(set(params) - mapped):
         t.skip(path + key, "no counterpart in the engine's AdamW")
+    return name in DS_ONEBIT
 
 
 def _precision(ds: dict, t: Translation) -> None:
