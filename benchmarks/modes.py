@@ -100,6 +100,7 @@ def _ddp(accumulation: int | None = None, powersgd_rank: int | None = None) -> M
 
 
 _ACCO_LOCO4_INT8 = _engine("acco", "loco4", "int8")
+DC_LAMBDA = 5e4  # acco+dc's lambda: the median least-squares fit on the benchmark model (docs/acco_delay.md)
 
 MODES: dict[str, Mode] = {
     # torch's DistributedDataParallel (the benchmark's baselines); torch-ddp and PowerSGD take
@@ -114,6 +115,11 @@ MODES: dict[str, Mode] = {
     "zero1": _engine("zero1"),
     "dpu": _engine("dpu"),
     "acco": _engine("acco"),
+    # ACCO with a delay correction of the stale half (the acco section, acco_loco/delay.py,
+    # docs/acco_delay.md): DC-ASGD's g*g compensation at lambda DC_LAMBDA; weight prediction,
+    # the estimate at theta_t + 1 x the last committed update
+    "acco+dc": _engine("acco", delay_compensation=DC_LAMBDA),
+    "acco+wp": _engine("acco", weight_prediction=1.0),
     # zero1 with a round's micro-batches shared out equally whatever --balance says: under
     # --hetero --balance speed, the synchronous baseline a user has without speed shares
     "zero1+equal-shares": _engine("zero1", balance="equal"),
@@ -165,7 +171,7 @@ def topology_of(name: str) -> str | None:
 
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
-                   "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+loco4", "acco+loco4+int4params",
+                   "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+dc", "acco+wp", "acco+loco4", "acco+loco4+int4params",
                    "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
 # ... each engine mode also as <mode>@flat and <mode>@two_level

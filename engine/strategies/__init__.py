@@ -30,6 +30,7 @@ SECTIONS: dict[str, str] = {
     "diloco": "engine.strategies.diloco_config:DilocoConfig",  # diloco
     "sparseloco": "engine.strategies.sparseloco_config:SparselocoConfig",  # sparseloco
     "onebit": "engine.strategies.onebit_config:OnebitConfig",  # onebit_adam
+    "acco": "engine.strategies.acco_config:AccoConfig",  # acco
 }
 
 

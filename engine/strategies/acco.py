@@ -1,12 +1,19 @@
 """acco: two rounds per step (Nabli et al., ACCO, arXiv 2406.02613). The estimate round steps
 from theta_t with the first half's gradient (state untouched) so compute goes on from the
 estimate; the commit round steps from theta_t with both halves. Each half is sent once: the
-owner keeps the reduced estimate half and adds it in the commit round (acco_loco/acco.py)."""
+owner keeps the reduced estimate half and adds it in the commit round (acco_loco/acco.py).
+
+The ``acco`` section's delay corrections (acco_loco/delay.py; off by default): DC-ASGD's
+compensation of the stale half, applied once at the estimate round to the kept sum (so the
+estimate and the commit both use it), with the drift theta_t - thetatilde_t from the estimate
+this owner sent; and weight prediction, the estimate round sending theta_t + s * (the last
+committed update) in place of ACCO's half-batch step."""
 
 from __future__ import annotations
 
 import torch
 
+from acco_loco import delay
 from acco_loco.acco import PLANS, KeptHalf, RoundKind
 
 from ..rounds import RoundContext, RoundRequest
@@ -15,13 +22,29 @@ from .sharded import RoundTotals, ShardedStrategy
 
 class Acco(ShardedStrategy):
     plan = PLANS["acco"]
+    sections = ("acco",)
 
     def __init__(self) -> None:
         self.kept: KeptHalf | None = None  # the reduced estimate half, until its commit round
         self.kept_buf: torch.Tensor | None = None  # its values: ACCO's own buffer, one shard long
+        self.dc_lambda = 0.0
+        self.predict_steps = 0.0
+        self.state = None
+        # delay compensation: the estimate this owner last sent (where the next stale half is computed)
+        self.sent_estimate: torch.Tensor | None = None
+        # weight prediction: theta_t - theta_{t-1} of this owner's shard
+        self.last_update: torch.Tensor | None = None
 
     def setup(self, ctx: RoundContext) -> None:
-        self.kept_buf = torch.empty_like(ctx.shard_state.master)
+        self.state = ctx.shard_state  # one object for the run (the context is frozen)
+        master = self.state.master
+        self.kept_buf = torch.empty_like(master)
+        self.dc_lambda = float(ctx.cfg.delay_compensation)
+        self.predict_steps = float(ctx.cfg.weight_prediction)
+        if self.dc_lambda:
+            self.sent_estimate = master.detach().clone()  # thetatilde_0 = theta_0
+        if self.predict_steps:
+            self.last_update = torch.zeros_like(master)
 
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
         return self.kept_buf if req.kind is RoundKind.ESTIMATE else None
@@ -29,23 +52,61 @@ class Acco(ShardedStrategy):
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         return self.kept if req.kind is RoundKind.COMMIT else None
 
+    def correct(self, ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, totals: RoundTotals) -> None:
+        if req.kind is RoundKind.ESTIMATE and self.dc_lambda:
+            # the stale half was computed on the estimate sent last step and is applied at theta_t;
+            # clipping and the reported norm saw it before this term (the small all-reduce came first)
+            drift = ctx.shard_state.master - self.sent_estimate
+            delay.compensate_(step_sum, totals.round_count, drift, self.dc_lambda)
+
+    def after_piece(self, ctx: RoundContext, req: RoundRequest):
+        if req.kind is RoundKind.ESTIMATE and (self.predict_steps or self.dc_lambda):
+            return lambda proposal, a, b: self._estimate_piece(ctx, proposal, a, b)
+        if req.kind is RoundKind.COMMIT and self.predict_steps:
+            return lambda proposal, a, b: torch.sub(proposal.master[a:b], ctx.shard_state.master[a:b],
+                                                    out=self.last_update[a:b])
+        return None
+
+    def _estimate_piece(self, ctx: RoundContext, proposal, a: int, b: int) -> None:
+        if self.predict_steps:
+            delay.predict_(proposal.master[a:b], ctx.shard_state.master[a:b], self.last_update[a:b],
+                           self.predict_steps)
+        if self.dc_lambda:
+            self.sent_estimate[a:b].copy_(proposal.master[a:b])
+
     def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
+        stepped = not totals.nonfinite and totals.count > 0
         if req.kind is RoundKind.ESTIMATE:
             # a non-finite estimate half spoils its commit too: the whole step is skipped
             self.kept = KeptHalf(grad_sum, totals.round_count, totals.round_loss, totals.round_samples,
                                  skipped=totals.nonfinite, bad_ranks=tuple(totals.bad_ranks))
+            if self.sent_estimate is not None and not stepped:
+                self.sent_estimate.copy_(self.state.master)  # the unchanged master went out
         else:
             self.kept = None
+            if self.last_update is not None and not stepped:
+                self.last_update.zero_()  # nothing was installed: theta_{t+1} = theta_t
 
     def state_dict(self, ctx: RoundContext) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {name: t.detach().cpu().contiguous() for name, t in
+                   (("sent_estimate", self.sent_estimate), ("last_update", self.last_update)) if t is not None}
         if self.kept is None:
-            return {}, {"kept": None}
+            return tensors, {"kept": None}
         k = self.kept
-        return {"kept_grad_sum": k.grad_sum.detach().cpu().contiguous()}, {"kept": {
+        tensors["kept_grad_sum"] = k.grad_sum.detach().cpu().contiguous()
+        return tensors, {"kept": {
             "count": k.count, "loss_sum": k.loss_sum, "samples": k.samples,
             "skipped": k.skipped, "bad_ranks": list(k.bad_ranks)}}
 
     def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        for name in ("sent_estimate", "last_update"):
+            mine = getattr(self, name)
+            if mine is None:
+                continue
+            if name not in tensors:
+                raise ValueError(f"the checkpoint has no ACCO {name} (saved with the acco section's "
+                                 f"corrections off): resume with them off, or start a new run")
+            mine.copy_(tensors[name])
         k = meta.get("kept")
         self.kept = None if k is None else KeptHalf(
             self.kept_buf.copy_(tensors["kept_grad_sum"]), k["count"], k["loss_sum"], k["samples"],

@@ -71,6 +71,15 @@ class ShardedStrategy(Strategy):
     def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
         """Remember what a later round needs (nothing here)."""
 
+    def correct(self, ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, totals: RoundTotals) -> None:
+        """Change a round's gradient sum in place before its step, once the round is known to step
+        (ACCO's delay compensation; nothing here)."""
+
+    def after_piece(self, ctx: RoundContext, req: RoundRequest):
+        """None, or ``f(proposal, a, b)`` called once values [a, b) are proposed and before they
+        go on the wire (ACCO's weight prediction replaces an estimate's; nothing here)."""
+        return None
+
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
         """A buffer of the strategy's own for this round's reduced sum, when it keeps the sum past
         the next round (ACCO's estimate half); None: the reducer's buffer, reused next round."""
@@ -92,13 +101,16 @@ class ShardedStrategy(Strategy):
         kept = self.carried(req)
         step_sum = step_gradient(req.kind, grad_sum, kept)
         totals = agree(ctx, req, step_sum, local_bad, kept)
+        if not totals.nonfinite and totals.count:
+            self.correct(ctx, req, step_sum, totals)
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)
         grad_norm = math.sqrt(totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else float("nan")
         # [how to apply] the shard optimizer proposes piece by piece, each piece on the wire as
         # soon as it is done; nothing is written before the whole gather is in and finite
         proposal = None if totals.nonfinite or totals.count == 0 else ctx.shard_state.spare()
-        started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, proposal)
+        started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, proposal,
+                                            self.after_piece(ctx, req))
         phases["optimizer"] = (t, proposed)
 
         overflowed = finish_and_install(ctx, req, proposal)
@@ -171,7 +183,7 @@ def reduce_flagged(grads, comm, full: torch.Tensor, count: int,
 
 
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
-                    proposal: ShardState | None) -> tuple[float, float]:
+                    proposal: ShardState | None, after_piece=None) -> tuple[float, float]:
     """Step each piece of the shard into ``proposal`` (the mean gradient, clipped to
     max_grad_norm: propose_step's bits, piece by piece) and start its all-gather at once; with no
     proposal (a skipped or empty step) the unchanged master goes out. Returns when the first
@@ -188,6 +200,8 @@ def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_
     for k, (a, b) in enumerate(pieces):
         if proposal is not None:
             propose_slice(state, step_sum, count, coef, lr, ctx.spec, proposal, a, b, scratch, fused)
+            if after_piece is not None:
+                after_piece(proposal, a, b)
         if started is None:
             started = time.perf_counter()
         ctx.params.push(comm, k, proposal.master if proposal is not None else state.master)

@@ -197,6 +197,10 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"onebit_min_warmup": True}, "onebit_min_warmup must be a positive integer, got True"),
     ({"onebit_max_warmup_fraction": 0}, "onebit_max_warmup_fraction must be a finite number in (0, 1], got 0"),
     ({"onebit_max_warmup_fraction": 1.5}, "onebit_max_warmup_fraction must be a finite number in (0, 1], got 1.5"),
+    # acco's delay corrections
+    ({"delay_compensation": -1.0}, "delay_compensation must be a finite number >= 0, got -1.0"),
+    ({"delay_compensation": NAN}, "delay_compensation must be a finite number >= 0, got nan"),
+    ({"weight_prediction": "1"}, "weight_prediction must be a finite number >= 0, got '1'"),
     # runtime
     ({"timeout_s": 0}, "timeout_s must be a finite number > 0, got 0"),
     ({"timeout_s": -1}, "timeout_s must be a finite number > 0, got -1"),

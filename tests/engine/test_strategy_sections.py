@@ -46,12 +46,12 @@ def toy():
 # ------------------------------------------------------------------------ the registered sections
 def test_outer_and_onebit_are_sections_beside_their_strategies():
     lay = config_layout()
-    assert lay.strategy_sections == ("outer", "diloco", "sparseloco", "onebit")
+    assert lay.strategy_sections == ("outer", "diloco", "sparseloco", "onebit", "acco")
     for name in lay.strategy_sections:
         assert lay.sections[name].__module__ == f"engine.strategies.{name}_config"
     assert list(EngineConfig().to_dict()) == ["strategy", "max_steps", "compute_dtype", "nan_policy", "seed", "optim",
                                               "schedule", "accumulate", "comm", "layout", "outer", "diloco",
-                                              "sparseloco", "onebit", "runtime"]
+                                              "sparseloco", "onebit", "acco", "runtime"]
     cfg = EngineConfig(strategy="sparseloco", inner_steps=5, sparseloco={"topk_chunk": 64})
     assert (cfg.inner_steps, cfg.outer.inner_steps, cfg.topk_chunk, cfg.sparseloco.topk_density) == (5, 5, 64, 0.02)
     settings = describe_settings()
@@ -61,7 +61,7 @@ def test_outer_and_onebit_are_sections_beside_their_strategies():
     assert settings["onebit_window"].read_by == ("onebit_adam",) and settings["onebit_window"].section == "onebit"
     assert settings["lr"].read_by == ()
     declared = {f.name for f in dataclasses.fields(EngineConfig)}  # the core: no strategy section there
-    assert not declared & {"outer", "diloco", "sparseloco", "onebit"}
+    assert not declared & {"outer", "diloco", "sparseloco", "onebit", "acco"}
     assert "OuterConfig" not in (ROOT / "engine" / "config.py").read_text()
 
 

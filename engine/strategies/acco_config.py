@@ -1,0 +1,27 @@
+"""The ``acco`` section: ACCO's delay corrections (acco_loco/delay.py, docs/DESIGN.md section
+docs/design/rounds.md), read by strategy acco. At the defaults the step is ACCO as published (Nabli et al., arXiv
+2406.02613). No torch and no runtime here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..rules import Rule, number, setting
+
+
+@dataclass
+class AccoConfig:
+    """What ACCO does about its stale half (the gradient accumulated on the estimate)."""
+
+    delay_compensation: float = setting(0.0, "DC-ASGD's lambda (Zheng et al. 2017): add lambda * g * g * "
+                                        "(theta_t - estimate) to the stale half's mean g; 0 = off (ACCO as "
+                                        "published)")
+    weight_prediction: float = setting(0.0, "s > 0: the estimate round sends theta_t + s * (the last committed "
+                                       "update) instead of ACCO's half-batch step (weight prediction, "
+                                       "PipeDream-2BW/SpecTrain); 0 = off (ACCO as published)")
+
+    RULES: ClassVar[dict[str, Rule]] = {
+        "delay_compensation": number(0),
+        "weight_prediction": number(0),
+    }

@@ -1,0 +1,144 @@
+"""ACCO's delay corrections (acco_loco/delay.py, the ``acco`` section) against a float64
+sequential computation of the same schedule, at world size 1 and 2 (chunked collectives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acco_loco import delay
+from engine import Engine, EngineConfig
+from engine.local_group import spawn
+from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
+
+STEPS, K = 20, 2
+LAMBDA, S = 20.0, 1.0  # big enough on the tiny model to move the trajectory well past float error
+CORRECTIONS = {"dc": {"delay_compensation": LAMBDA}, "wp": {"weight_prediction": S},
+               "both": {"delay_compensation": LAMBDA, "weight_prediction": S}}
+
+
+def run_engine(rank: int, world: int, settings: dict, chunks: int = 1, opt: str = "adamw"):
+    model = tiny_model(seed=0)
+    cfg = EngineConfig(strategy="acco", optimizer=opt, lr=1e-2, micro_batches=K, accumulation="fixed",
+                       max_steps=STEPS, align=8, weight_decay=0.1 if opt == "adamw" else 0.0, momentum=0.9,
+                       comm_chunks=chunks, **settings)
+    engine = Engine(model, cfg, mse_loss)
+    it = iter(worker_stream(rank, 3 * K * (STEPS + 1)))
+    out = []
+    for _ in range(STEPS):
+        engine.fit(it, steps=1)
+        out.append(flat_params(model))
+    engine.close()
+    return out
+
+
+def reference(world: int, dc: float = 0.0, wp: float = 0.0, opt: str = "adamw") -> list[torch.Tensor]:
+    """ACCO's schedule (tests/tiny.py Reference.run("acco")) with the corrections written out in
+    float64: the stale half gtilde_t, computed on the estimate thetatilde_t and applied at theta_t,
+    gets + dc * g*g * (theta_t - thetatilde_t) on its mean (Zheng et al. 2017); with wp > 0 the
+    estimate is theta_t + wp * (theta_t - theta_{t-1}) instead of the half-batch step."""
+    streams = [worker_stream(r, 3 * K * (STEPS + 1)) for r in range(world)]
+    kwargs = {"weight_decay": 0.1} if opt == "adamw" else {"momentum": 0.9}
+    ref = Reference(tiny_model(seed=0), streams, K, opt=opt, lr=1e-2, **kwargs)
+    point = ref.theta.detach().clone()  # thetatilde_0 = theta_0
+    last_update = torch.zeros_like(point)
+    gt, ct = ref.grads(point)
+    out = []
+    for _ in range(STEPS):
+        theta = ref.theta.detach().clone()
+        mean = gt / ct
+        gt = (mean + dc * mean * mean * (theta - point)) * ct
+        estimate = theta + wp * last_update if wp else ref.estimate(gt, ct)
+        g, c = ref.grads(theta)  # the fresh half, beside the estimate round
+        gt_next, ct_next = ref.grads(estimate)  # the next stale half, beside the commit round
+        ref.apply(gt + g, ct + c)
+        last_update = ref.theta.detach() - theta
+        point, gt, ct = estimate, gt_next, ct_next
+        out.append(ref.theta.detach().clone())
+    return out
+
+
+def test_compensate_and_predict_math():
+    s = torch.tensor([2.0, -4.0, 0.0], dtype=torch.float64)
+    drift = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
+    # mean g = s / 2 = [1, -2, 0]; g + 0.1 g^2 drift = [1.05, -1.6, 0]; times the count 2
+    got = delay.compensate_(s.clone(), 2, drift, 0.1)
+    assert torch.allclose(got, torch.tensor([2.1, -3.2, 0.0], dtype=torch.float64))
+    assert torch.equal(delay.compensate_(s.clone(), 2, drift, 0.0), s)
+    out = torch.empty(3, dtype=torch.float64)
+    delay.predict_(out, s, drift, 2.0)
+    assert torch.equal(out, s + 2.0 * drift)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_world1_matches_reference(name):
+    settings = CORRECTIONS[name]
+    got = run_engine(0, 1, settings, chunks=3)
+    want = reference(1, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0))
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) < 1e-6, errs
+    plain = Reference(tiny_model(seed=0), [worker_stream(0, 3 * K * (STEPS + 1))], K, lr=1e-2,
+                      weight_decay=0.1).run("acco", STEPS)
+    # the correction changed the trajectory (so the comparison above is not ACCO's own)
+    assert rel_err(want[-1], plain[-1]) > 1e-4
+
+
+def test_sgd_weight_prediction_matches_reference():
+    got = run_engine(0, 1, {"weight_prediction": 2.0}, opt="sgd")
+    want = reference(1, wp=2.0, opt="sgd")
+    assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-6
+
+
+def _both_worlds(rank: int, world: int):
+    return {name: run_engine(rank, world, CORRECTIONS[name], chunks=3) for name in ("dc", "wp")}
+
+
+def test_two_process_groups_match_reference_and_stay_identical():
+    results = spawn(_both_worlds, 2)
+    for name in ("dc", "wp"):
+        settings = CORRECTIONS[name]
+        want = reference(2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0))
+        for step in range(STEPS):
+            assert torch.equal(results[1][name][step], results[0][name][step]), (name, step)
+            assert rel_err(results[0][name][step], want[step]) < 1e-6, (name, step)
+
+
+def test_defaults_are_acco_as_published():
+    cfg = EngineConfig(strategy="acco")
+    assert (cfg.delay_compensation, cfg.weight_prediction) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="strategy 'zero1' does not read the 'acco' section"):
+        EngineConfig(strategy="zero1", delay_compensation=1.0)
+    with pytest.raises(ValueError, match="weight_prediction must be a finite number >= 0"):
+        EngineConfig(strategy="acco", weight_prediction=-1.0)
+
+
+def test_resumed_run_with_both_corrections_is_bit_identical(tmp_path):
+    from engine import GlobalBatches
+
+    stream = worker_stream(0, 64)
+    cfg = EngineConfig(strategy="acco", lr=1e-2, global_micro_batches=4, max_steps=12, align=8,
+                       **CORRECTIONS["both"])
+    straight = Engine(tiny_model(0), cfg, mse_loss)
+    straight.fit(GlobalBatches(stream.__getitem__))
+    straight.close()
+    first = Engine(tiny_model(0), cfg, mse_loss)
+    first.fit(GlobalBatches(stream.__getitem__), steps=6)
+    first.save(str(tmp_path / "ckpt"))
+    first.close()
+    model = tiny_model(5)
+    resumed = Engine.load(str(tmp_path / "ckpt"), model, cfg, mse_loss)
+    resumed.fit(GlobalBatches(stream.__getitem__))
+    resumed.close()
+    assert torch.equal(flat_params(straight.model), flat_params(model))
+    assert len(resumed.history) and resumed.history[-1]["step"] == 12
+
+
+def test_benchmark_modes_set_the_corrections():
+    from benchmarks.modes import BENCHMARK_MODES, DC_LAMBDA, MODES, matched_batch
+
+    for name, field, value in (("acco+dc", "delay_compensation", DC_LAMBDA), ("acco+wp", "weight_prediction", 1.0)):
+        assert name in BENCHMARK_MODES
+        cfg = EngineConfig(**MODES[name].engine_kwargs())
+        assert getattr(cfg, field) == value and cfg.strategy == "acco"
+        # matched like acco: 4 x 4 per step in 2 rounds at B = 16 on 2 workers
+        assert matched_batch(name, 16, 2, 8) == matched_batch("acco", 16, 2, 8)
