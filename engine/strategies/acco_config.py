@@ -1,5 +1,5 @@
-"""The ``acco`` section: ACCO's delay corrections (acco_loco/delay.py, docs/DESIGN.md section
-docs/design/rounds.md), read by strategy acco. At the defaults the step is ACCO as published (Nabli et al., arXiv
+"""The ``acco`` section: ACCO's delay corrections (acco_loco/delay.py, docs/design/rounds.md),
+read by strategy acco. At the defaults the step is ACCO as published (Nabli et al., arXiv
 2406.02613). No torch and no runtime here."""
 
 from __future__ import annotations
