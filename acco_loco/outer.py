@@ -48,9 +48,10 @@ def outer_sgd_step(state: ShardState, delta: Tensor, lr: float, spec: OptimizerS
     return sgd.propose(state, delta.to(torch.float32), lr, spec)
 
 
-def accumulate_error(error: Tensor, delta: Tensor, beta: float) -> Tensor:
-    """SparseLoCo's error feedback, in place: e = beta e + Delta."""
-    return error.mul_(beta).add_(delta)
+def accumulate_error(error: Tensor, delta: Tensor, beta: float, scale: float = 1.0) -> Tensor:
+    """SparseLoCo's error feedback, in place: e = beta e + scale Delta (scale 1: the paper's; the
+    outer lr: templar's, docs/sparseloco.md)."""
+    return error.mul_(beta).add_(delta, alpha=scale)
 
 
 def sparse_outer_step(theta_sync: Tensor, delta: Tensor, lr: float) -> Tensor:

@@ -48,6 +48,7 @@ from .bitpack import pack_bits, pad_to_multiple, unpack_bits
 
 VALUE_BITS = (1, 2, 4, 8)  # what bitpack packs
 MAX_CHUNK = 2**16  # indices fit 16 bits
+CLIP_EPS = 1e-8  # the median clip's (templar's): keeps an all-zero contribution finite
 
 
 @dataclass(frozen=True)
@@ -190,25 +191,41 @@ class TopKCodec:
 
 
 def aggregate(codec: TopKCodec, payloads: Tensor, weights: list[float], numel: int,
-              rule: str = "mean") -> Tensor:
+              rule: str = "mean", clip=None) -> Tensor:
     """Combine R workers' payloads (rows of ``payloads``) into one dense fp32 tensor.
 
     ``mean``: ``sum_r w_r deQ_r`` (with weights summing to 1 this is SparseLoCo's sum / R for
     equal weights). ``contributors``: per value, ``sum_r w_r deQ_r / sum_{r that sent it} w_r``
     (the public templar code's per-coordinate mean over the workers that sent the value;
     0 where none did). Rows of weight 0 are skipped; rows are added in order, so every replica
-    that combines the same payloads gets the same bits."""
+    that combines the same payloads gets the same bits. ``codec`` may be any codec with
+    ``decode_sparse`` (acco_loco/tiled_topk.py TiledTopK). ``clip``: (segment of each position,
+    number of segments) to scale each row per segment to the median row norm first
+    (:func:`clip_to_median`); None = no clip."""
     if rule not in ("mean", "contributors"):
         raise ValueError(f"unknown aggregation rule {rule!r}: choose 'mean' or 'contributors'")
     out = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
     senders = torch.zeros(numel, dtype=torch.float32, device=payloads.device) if rule == "contributors" else None
-    for row, weight in zip(payloads, weights):
-        if weight == 0:
-            continue
-        pos, values = codec.decode_sparse(row, numel)
+    rows = [(codec.decode_sparse(row, numel), weight) for row, weight in zip(payloads, weights) if weight != 0]
+    if clip is not None:
+        clipped = clip_to_median([r for r, _ in rows], *clip)
+        rows = [(r, w) for r, (_, w) in zip(clipped, rows)]
+    for (pos, values), weight in rows:
         out.index_add_(0, pos, values * weight)  # positions are unique within a payload
         if senders is not None:
             senders.index_add_(0, pos, torch.full_like(values, weight))
     if senders is not None:
         out = torch.where(senders > 0, out / torch.where(senders > 0, senders, torch.ones_like(senders)), out)
     return out
+
+
+def clip_to_median(rows: list[tuple[Tensor, Tensor]], segment: Tensor, segments: int) -> list[tuple[Tensor, Tensor]]:
+    """Each row (positions, values) of a peer, scaled per segment by min(1, median norm / (its norm + eps)),
+    the median taken per segment over the rows given (templar's median-norm clip, acco_loco/tiled_topk.py)."""
+    if not rows:
+        return rows
+    norms = torch.stack([torch.zeros(segments, dtype=torch.float32, device=v.device).index_add_(0, segment[p], v * v)
+                         for p, v in rows]).sqrt()
+    median = norms.median(dim=0).values
+    factor = (median / (norms + CLIP_EPS)).clamp(max=1.0)
+    return [(p, v * factor[r][segment[p]]) for r, (p, v) in enumerate(rows)]

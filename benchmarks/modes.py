@@ -150,6 +150,11 @@ MODES: dict[str, Mode] = {
     "diloco-h15+overlap": _engine("diloco", inner_steps=15, outer_overlap=True),
     "sparseloco-h15+overlap": _engine("sparseloco", inner_steps=15, outer_overlap=True),
     "sparseloco-h50+overlap": _engine("sparseloco", inner_steps=50, outer_overlap=True),
+    # ... with templar's choices, one at a time (docs/sparseloco.md): tiles per tensor, median-norm clip,
+    # outer_lr in the error feedback
+    "sparseloco-h15+tiles": _engine("sparseloco", inner_steps=15, topk_layout="tensor"),
+    "sparseloco-h15+clip": _engine("sparseloco", inner_steps=15, sparse_clip="median"),
+    "sparseloco-h15+efscale": _engine("sparseloco", inner_steps=15, sparse_error_scale="outer_lr"),
 }
 
 # Topology variants of every engine mode: ``<mode>@flat`` (every exchange over all M x G ranks)
@@ -173,7 +178,8 @@ def topology_of(name: str) -> str | None:
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+dc", "acco+wp", "acco+loco4", "acco+loco4+int4params",
                    "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
-                   "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap")
+                   "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap",
+                   "sparseloco-h15+tiles", "sparseloco-h15+clip", "sparseloco-h15+efscale")
 # ... each engine mode also as <mode>@flat and <mode>@two_level
 BENCHMARK_MODES += tuple(f"{n}@{t}" for n in BENCHMARK_MODES if MODES[n].ddp is None for t in TOPOLOGIES)
 # ... its default --modes per protocol, without and with --hetero ...

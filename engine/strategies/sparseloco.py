@@ -15,8 +15,11 @@ One outer round, for worker w with theta_w after its inner steps and n_w samples
 
 with a_w = n_w / sum_v n_v (1/R when all ran as many: the paper's sum / R). 'contributors' is
 what the public templar code does (a per-coordinate mean over the peers that sent a value, via
-scatter_reduce 'mean'; it also clips each peer's contribution to the median norm, which we do
-not). Per worker and round, with L = TopKCodec.payload_bytes(P):
+scatter_reduce 'mean'). templar's other choices are options here (docs/sparseloco.md):
+topk_layout='tensor' (tiles per tensor, 1-D tensors whole), sparse_clip='median' (each peer's
+deQ(p_w) scaled per tensor to the median peer norm before combining) and
+sparse_error_scale='outer_lr' (e_w = beta e_w + outer_lr Delta_w). Per worker and round, with
+L = the codec's payload_bytes(P):
 
     bytes = (N - 1) L + 2 (N - 1) (2 + 4 N) 8 / N
 
@@ -27,15 +30,23 @@ from __future__ import annotations
 
 import torch
 
+import math
+
 from acco_loco.outer import accumulate_error, sparse_outer_step
 from acco_loco.registry import PSEUDO_GRAD_CODECS
+from acco_loco.tiled_topk import TiledTopK, tensor_segments
 from acco_loco.topk_codec import TopKCodec, aggregate
 
 from ..rounds import RoundContext
 from .local_steps import LocalStepStrategy
 
 
-def make_codec(cfg) -> TopKCodec:
+def make_codec(cfg, shapes=None, numel: int | None = None) -> TopKCodec | TiledTopK:
+    """The pseudo-gradient codec; topk_layout='tensor' needs the tensors' ``shapes`` and the buffer's ``numel``."""
+    if cfg.topk_layout == "tensor":
+        if shapes is None:
+            raise ValueError("topk_layout='tensor' tiles each tensor: give the parameter shapes")
+        return TiledTopK(shapes, numel, math.isqrt(cfg.topk_chunk), cfg.topk_density, cfg.topk_value_bits)
     return PSEUDO_GRAD_CODECS["topk"](cfg.topk_chunk, cfg.topk_density, cfg.topk_value_bits)
 
 
@@ -43,18 +54,38 @@ class SparseLoCo(LocalStepStrategy):
     name = "sparseloco"
     sections = ("outer", "sparseloco")  # shared local-step settings, and its own (sparseloco_config.py)
 
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        side = math.isqrt(cfg.topk_chunk)
+        if cfg.topk_layout == "tensor" and side * side != cfg.topk_chunk:
+            raise ValueError(f"topk_layout='tensor' cuts square tiles of topk_chunk values: topk_chunk={cfg.topk_chunk} "
+                             f"is not a square (4096 = 64 x 64, 1024, 256, ...)")
+
     def setup_outer(self, ctx: RoundContext) -> None:
+        cfg, numel = ctx.cfg, self.theta_sync.numel()
         self.error = torch.zeros_like(self.theta_sync)
-        self.codec = make_codec(ctx.cfg)
+        shapes = [tuple(p.shape) for p in ctx.flat.params]
+        per_tensor = [name for name, on in (("topk_layout='tensor'", cfg.topk_layout == "tensor"),
+                                            ("sparse_clip='median'", cfg.sparse_clip == "median")) if on]
+        if per_tensor and numel != ctx.flat.padded:  # a node replica's slice cuts across tensors
+            raise ValueError(f"{' and '.join(per_tensor)} work on whole tensors, and with node replicas each rank "
+                             "holds a slice of the buffer: set topology='flat'")
+        self.codec = make_codec(cfg, shapes, numel)
+        if isinstance(self.codec, TiledTopK):
+            self.codec.to(self.theta_sync.device)
+        self.clip = tensor_segments(shapes, numel, self.theta_sync.device) if cfg.sparse_clip == "median" else None
+        self.error_scale = cfg.outer_lr if cfg.sparse_error_scale == "outer_lr" else 1.0
 
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
         cfg, comm, numel = ctx.cfg, ctx.comm, delta.numel()
-        accumulate_error(self.error, delta, cfg.sparse_error_beta)
+        accumulate_error(self.error, delta, cfg.sparse_error_beta, self.error_scale)
         payload, sent = self.codec.encode_with_decoded(self.error)
         self.error.sub_(sent)  # what was not sent stays for later rounds
         gathered = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
         comm.all_gather(payload, gathered)
-        combined = aggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel, cfg.sparse_aggregate)
+        combined = aggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel, cfg.sparse_aggregate,
+                             self.clip)
         new = sparse_outer_step(self.theta_sync, combined, cfg.outer_lr)
         if not bool(torch.isfinite(new).all()):  # the same verdict on every replica
             return False
@@ -68,7 +99,8 @@ class SparseLoCo(LocalStepStrategy):
         self.error.copy_(tensors["outer.error"])
 
 
-def round_bytes(cfg, padded: int, world: int) -> int:
+def round_bytes(cfg, padded: int, world: int, shapes=None) -> int:
     """What one worker sends in one sparseloco round (Comm's count): its payload to each of the
-    N - 1 others, and the small all-reduce of 2 + 4N float64 values."""
-    return (world - 1) * make_codec(cfg).payload_bytes(padded) + 2 * (world - 1) * (2 + 4 * world) * 8 // world
+    N - 1 others, and the small all-reduce of 2 + 4N float64 values (``shapes``: topk_layout='tensor')."""
+    return ((world - 1) * make_codec(cfg, shapes, padded).payload_bytes(padded)
+            + 2 * (world - 1) * (2 + 4 * world) * 8 // world)

@@ -10,6 +10,9 @@ from typing import ClassVar
 from ..rules import Check, Rule, choice, is_int, number, setting
 
 SPARSE_AGGREGATES = ("mean", "contributors")
+TOPK_LAYOUTS = ("flat", "tensor")
+SPARSE_CLIPS = ("none", "median")
+SPARSE_ERROR_SCALES = ("raw", "outer_lr")
 TOPK_VALUE_BITS = (1, 2, 4, 8)  # what acco_loco/bitpack.py packs
 MAX_TOPK_CHUNK = 2**16  # indices within a chunk fit 16 bits
 
@@ -25,6 +28,15 @@ class SparselocoConfig:
     sparse_aggregate: str = setting("mean", "how the payloads combine: mean = sum over workers / R (the "
                                     "paper); contributors = per value, the mean over the workers that sent "
                                     "it (templar)")
+    # the options templar's code has (docs/sparseloco.md); defaults from the 20 Mbit/s measurement there
+    topk_layout: str = setting("flat", "chunks: flat = the flat buffer cut into topk_chunk values across tensors; "
+                               "tensor = each tensor of 2+ dims in sqrt(topk_chunk)-square tiles (templar's 64 x 64), "
+                               "1-D tensors sent whole as fp32 (needs topology flat)")
+    sparse_clip: str = setting("none", "none, or median = scale each peer's contribution to a tensor down to the "
+                               "median peer's norm before combining (templar; needs topology flat)")
+    sparse_error_scale: str = setting("raw", "what the error feedback adds: raw = the pseudo-gradient (the paper), "
+                                      "outer_lr = outer_lr x it (templar; the outer step is then outer_lr^2 x "
+                                      "the raw one's: equal only at outer_lr 1)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "topk_density": number(0, 1, low_open=True),
@@ -32,4 +44,7 @@ class SparselocoConfig:
         "topk_value_bits": Check(f"one of {TOPK_VALUE_BITS}", lambda v: is_int(v) and v in TOPK_VALUE_BITS),
         "sparse_error_beta": number(0, 1),
         "sparse_aggregate": choice(SPARSE_AGGREGATES),
+        "topk_layout": choice(TOPK_LAYOUTS),
+        "sparse_clip": choice(SPARSE_CLIPS),
+        "sparse_error_scale": choice(SPARSE_ERROR_SCALES),
     }

@@ -69,9 +69,11 @@ def test_a_checkpoint_config_of_the_shared_outer_section_still_loads():
     """Earlier releases kept diloco's and sparseloco's own settings in the ``outer`` section."""
     old = EngineConfig(strategy="sparseloco").to_dict()
     old["outer"].update(old.pop("diloco"))
-    old["outer"].update({**old.pop("sparseloco"), "topk_chunk": 64})
+    then = ("topk_density", "topk_chunk", "topk_value_bits", "sparse_error_beta", "sparse_aggregate")  # no later ones
+    old["outer"].update({**{k: v for k, v in old.pop("sparseloco").items() if k in then}, "topk_chunk": 64})
     cfg = EngineConfig.from_dict(old)
     assert cfg.topk_chunk == 64 and cfg.sparseloco.topk_chunk == 64 and cfg.outer_momentum == 0.9
+    assert cfg.topk_layout == "flat"  # settings added since take their defaults
 
 
 def test_section_files_import_neither_torch_nor_the_runtime():
