@@ -69,19 +69,18 @@ def dealt_stream(source: GlobalBatches, where: Callable[[], tuple[int, int, list
         yield batch
 
 
-def deal(engine, batches) -> Iterator[Any]:
-    """``engine``'s micro-batches of ``batches``: a GlobalBatches stream dealt out by this
-    worker's share of each round (pull each just before feeding it: the dealing reads the
-    round), anything else as it is."""
+def deal(batches, cfg, strategy, counters, accumulation, rank: int) -> Iterator[Any]:
+    """This worker's micro-batches of ``batches``: a GlobalBatches stream dealt out by this
+    worker's share of each round (pull each just before feeding it: the dealing reads the round
+    from ``counters`` and the shares from ``accumulation``), anything else as it is."""
     if not isinstance(batches, GlobalBatches):
         return iter(batches)
-    cfg = engine.cfg
     if cfg.global_micro_batches is None:
         raise ValueError("GlobalBatches is dealt out by the global batch: set global_micro_batches "
                          "(accumulation 'fixed'), or pass this worker's own micro-batches")
-    engine.strategy.check_global_batches(cfg)
+    strategy.check_global_batches(cfg)
 
     def where():
-        r = engine.state.round_index
-        return r, engine.state.pending_count, engine.accumulation.shares(r)
-    return dealt_stream(batches, where, engine.rank, cfg.global_micro_batches, engine.plan.rounds_per_step)
+        r = counters.round_index
+        return r, counters.pending_count, accumulation.shares(r)
+    return dealt_stream(batches, where, rank, cfg.global_micro_batches, strategy.plan.rounds_per_step)

@@ -10,7 +10,6 @@ boundary does (engine/loops/).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from contextlib import contextmanager
 from functools import partial
@@ -18,27 +17,31 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_load
 from .agreement import check_agreement
 from .auto import resolve as resolve_auto
 from .batching import Accumulation
+from .checkpoint import CheckpointWriter
+from .checkpoint_periodic import PeriodicSaver
 from .clock import make_clock
 from .comm import Comm, default_store
 from .config import EngineConfig
 from .context import build_context, start_process_group, trainable_parameters
 from .dealing import deal
 from .layout import choose_topology
-from .loop import StepResult, done_message, loop_end
+from .loops.parts import LoopParts
 from .loss import LossFn, batch_size, checked_loss, default_loss
 from .placement import Placement
 from .progress import progress_bar
+from .reshard import recut
+from .run_state import RunState
 from .state import EngineState
+from .step_result import StepResult
 from .strategies import make_strategy
 from .streams import CommWorker
 from .training_state import gather_state, restore_state
-from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError, may_be_peer_failure
+from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 
-log = logging.getLogger("acco_loco")
 
 _END = object()
 
@@ -76,17 +79,19 @@ class Engine:
 
         self.state = EngineState()  # counters and the pending accumulator: saved by save()
         self.state.start_accumulator(device)
-        self.history: list[dict] = []
-        self.round_counts: list[int] = []  # this worker's micro-batches in each submitted round
-        self.timeline: list[tuple] = []
-        self.comm_cpu_s: list[float] = []  # CPU seconds of every thread but the compute loop, per round
+        # history, round counts, timeline, comm CPU, the loop's end: not saved (engine/run_state.py)
+        self.run = RunState(rank, self.comm.counter, cfg.record_timeline, cfg.max_steps)
         # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
         # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
         self.accumulation = Accumulation(cfg, self.plan, rank, world,
                                          paced=device.type == "cpu" and self.plan.overlap)
-        self.loop = self.strategy.make_loop(self)  # what a round boundary does (engine/loops/)
-        self.stop_at = cfg.max_steps  # fit(steps=...) and begin(steps) stop their loop earlier
-        self._stopped = False  # the last boundary said stop (the data of some rank ran out, or the horizon)
+        writer = CheckpointWriter(self.comm, device, self.watchdog, model, cfg, self.loss_fn,
+                                  self.state_dict, self.state)
+        self.saver = PeriodicSaver(writer, cfg)  # save(), and checkpoint_every(_s) (engine/checkpoint_periodic.py)
+        self.parts = LoopParts(cfg=cfg, ctx=self.ctx, strategy=self.strategy, worker=self.worker,
+                               accumulation=self.accumulation, state=self.state, run=self.run,
+                               saver=self.saver, watchdog=self.watchdog, device=device)
+        self.loop = self.strategy.make_loop(self.parts)  # what a round boundary does (engine/loops/)
         self._looping = False  # inside a loop of feed() calls: fit's, or the user's since the first feed
         self._closed = False
 
@@ -98,6 +103,11 @@ class Engine:
     grads = property(lambda self: self.ctx.grads, doc="the gradient reducer (.feedback: a compressed one's error state)")
     rank = property(lambda self: self.comm.rank)
     world_size = property(lambda self: self.comm.world_size)
+    history = property(lambda self: self.run.history, doc="one dict per committed step (StepResult's fields)")
+    round_counts = property(lambda self: self.run.round_counts, doc="this worker's micro-batches per submitted round")
+    timeline = property(lambda self: self.run.timeline, doc="(phase, rank, t0, t1, round) with record_timeline")
+    comm_cpu_s = property(lambda self: self.run.comm_cpu_s, doc="the comm side's CPU seconds per finished round")
+    stop_at = property(lambda self: self.run.stop_at, doc="the step at which the current loop ends")
 
     def fit(self, batches: Iterable[Any], steps: int | None = None) -> list[dict]:
         """Train until ``cfg.max_steps`` committed steps or until some worker's data runs out.
@@ -112,7 +122,7 @@ class Engine:
         It is the user's loop of :meth:`feed` calls over ``batches`` and :meth:`finish` when they
         run out, with a progress bar: a user who keeps their own loop gets the same trajectory."""
         self.begin(steps)
-        first, it, bar = len(self.history), self.deal(batches), progress_bar(self)
+        first, it, bar = len(self.history), self.deal(batches), progress_bar(self.cfg, self.rank, self.step)
         try:
             while not self.done:
                 with self._aborting_on_error():  # a failing data loader: the peers are told too
@@ -135,7 +145,7 @@ class Engine:
     def done(self) -> bool:
         """True when :meth:`feed` takes no more batches: ``max_steps`` (or ``fit``'s ``steps``)
         committed steps, or some worker's data ran out (every rank stops at the same step)."""
-        return self._stopped or self.step >= self.stop_at
+        return self.run.done(self.step)
 
     def feed(self, batch: Any) -> StepResult | None:
         """Run one micro-batch of this worker's; when it completes a round, hand the round to the
@@ -147,7 +157,7 @@ class Engine:
         if not self._looping:
             self.begin(None)
         if self.done:
-            raise RuntimeError(done_message(self.step, self.cfg.max_steps, self.stop_at))
+            raise RuntimeError(self.run.why_done(self.step))
         first = len(self.history)
         with self._aborting_on_error():
             self._micro_batch(batch)
@@ -167,7 +177,8 @@ class Engine:
         with self._aborting_on_error():
             while not self.done:
                 # the round ends with what this worker has: short of its share, the data ran out
-                self._stopped = self.loop.boundary(not self.loop.round_may_end())
+                if self.loop.boundary(not self.loop.round_may_end()):
+                    self.run.stop()
         self._looping = False
         return [StepResult.from_entry(e) for e in self.history[first:]]
 
@@ -179,9 +190,8 @@ class Engine:
         restarts the clock of ``time_s``."""
         if self._closed:
             raise RuntimeError("this engine was closed: build a new one")
-        self.stop_at = loop_end(self.step, self.cfg.max_steps, steps)
-        self._stopped, self._looping = False, True
-        self.loop.restart_clock()
+        self.run.begin(self.step, steps)  # restarts the clock of time_s
+        self._looping = True
         with self._aborting_on_error():
             self._settle()  # a round this worker has no micro-batches in goes out before its first
 
@@ -189,7 +199,8 @@ class Engine:
         """End every round that may end now: the one the last micro-batch completed, then any
         that follow with no micro-batches of this worker's (a share of 0)."""
         while not self.done and self.loop.round_may_end():
-            self._stopped = self.loop.boundary(False)
+            if self.loop.boundary(False):
+                self.run.stop()
         if self.done:
             self._looping = False  # the next feed() starts a new loop (and says why it cannot)
 
@@ -207,13 +218,13 @@ class Engine:
         """This worker's micro-batches of ``batches`` for a loop of :meth:`feed` calls: a
         ``GlobalBatches`` stream dealt out by this worker's share of each round (as ``fit`` does;
         pull each batch just before feeding it, the dealing reads the round), else ``batches``."""
-        return deal(self, batches)
+        return deal(batches, self.cfg, self.strategy, self.state, self.accumulation, self.rank)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str) -> str:
         """Write a checkpoint (all ranks call this); returns the directory."""
         self._require_quiescent("save")
-        return ckpt.save(self, directory)
+        return self.saver.save_to(directory)
 
     @classmethod
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
@@ -221,18 +232,35 @@ class Engine:
         """Build an engine from a checkpoint written by ``save`` (at this or another world size:
         engine/reshard.py re-cuts the state). ``max_steps`` sets a new horizon for the resumed run
         (it must lie beyond the saved step)."""
-        return ckpt.load(cls, directory, model, cfg, loss_fn, max_steps=max_steps)
+        opened = checkpoint_load.open_checkpoint(directory, model, cfg, loss_fn, max_steps)
+        try:
+            engine = cls(model, opened.cfg, loss_fn)
+            error: Exception | None = None
+            try:
+                engine.load_state_dict(*opened.rank_state(engine.rank, engine.world_size, engine._recut))
+            except Exception as exc:  # any rank's failure stops every rank here, not in its first round
+                error = exc
+            checkpoint_load.agree_loaded(engine.comm, engine.device, engine.watchdog, opened.path, error,
+                                         engine.close)
+            return engine
+        finally:
+            opened.close()
+
+    def _recut(self, old: list, where: str) -> tuple[dict, dict, dict]:
+        """A checkpoint of another world size re-cut for this rank (engine/reshard.py)."""
+        return recut(self.ctx, self.plan, self.topology, old, where)
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's whole training state as (tensors, JSON-able metadata): counters, the
         owned shard and its optimizer moments, the gradient accumulated but not yet sent, the
         RNG, the gradient reducer's error state and what the strategy keeps between rounds."""
         self._require_quiescent("take the state")
-        return gather_state(self)
+        return gather_state(self.ctx, self.strategy, self.state, self.accumulation, self.device, self.topology)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, where: str = "the state") -> None:
         """Restore what ``state_dict`` returned (same model, config and world size)."""
-        restore_state(self, tensors, meta, where)
+        restore_state(self.ctx, self.strategy, self.state, self.accumulation, self.worker, self.device,
+                      tensors, meta, where)
 
     def close(self) -> None:
         if self._closed:
@@ -240,7 +268,7 @@ class Engine:
         self._closed = True
         if self.loop.inflight is not None:
             self.loop.drain()
-        ckpt.finish_pending(self)  # a periodic save still being written: finished and renamed
+        self.saver.finish_pending()  # a periodic save still being written: finished and renamed
         self.watchdog.close()
         self.worker.close()
         self.clock.flush()
@@ -262,32 +290,17 @@ class Engine:
         reached, so a time may count towards the round after its own: engine/clock.py)."""
         self.accumulation.pacer.on_micro_batch(t1 - t0)
         self.loop.on_micro_batch(t1 - t0)
-        if self.cfg.record_timeline:
-            self.timeline.append(("compute", self.rank, t0, t1, round_index))
+        self.run.computed(t0, t1, round_index)
 
     # ------------------------------------------------------------------ errors
-    def warn_stopped_early(self, ranks: list[int]) -> None:
-        log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
-                    "accumulated on this rank stay pending and are used if fit() continues",
-                    self.step, ranks, self.state.pending_count)
-
-    def explain(self, exc: Exception, where: str) -> Exception:
-        """The error a user should see for a failed round: the round's own exception (with
-        where it happened), or WorkerLostError when the failure is a peer that died or stalled."""
-        if self.world_size > 1 and may_be_peer_failure(exc):
-            lost = self.watchdog.diagnose(where)
-            if lost.ranks or isinstance(exc, TimeoutError):
-                return lost
-        exc.add_note(f"(raised on the communication side: {where})")
-        return exc
-
     def _require_quiescent(self, what: str) -> None:
         if self.loop.inflight is not None:
             raise RuntimeError(f"cannot {what} while a round is in flight")
 
     def _abort(self, reason: str) -> None:
         """After an error: stop heartbeats, telling peers why, never hang here."""
-        self.loop.inflight = self.loop.pending_save = None  # a background save is left unfinished (.tmp)
+        self.loop.abandon()
+        self.saver.abandon()  # a background save is left unfinished (.tmp)
         if reason == EXIT_PEER:
             self.worker.abort()  # NCCL: ends a lost peer's collective, which wakes the comm thread
         self.watchdog.close(reason)

@@ -31,7 +31,10 @@ import logging
 
 import torch
 
+from acco_loco.acco import RoundPlan
 from acco_loco.registry import make_codec
+
+from .rounds import RoundContext
 
 log = logging.getLogger("acco_loco")
 
@@ -66,21 +69,23 @@ def _feedback_error(fb: dict[str, torch.Tensor], group_size: int) -> torch.Tenso
     return codec.decode(fb["e_codes"], fb["e_scales"])
 
 
-def recut(engine, old: list[tuple[dict[str, torch.Tensor], dict]], where: str) -> tuple[dict, dict, dict]:
-    """(tensors, meta) for this engine's rank from the N old ranks' (tensors, meta), and a
-    report {carried, dropped} for the log."""
-    n, rank, world = len(old), engine.rank, engine.world_size
-    flat = engine.flat
+def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
+          where: str) -> tuple[dict, dict, dict]:
+    """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer; ``plan``
+    and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a report
+    {carried, dropped} for the log."""
+    n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
+    flat = ctx.flat
     numel, padded = flat.numel, flat.padded
     meta0 = old[0][1]
     if meta0["numel"] != numel:
         raise ReshardError(f"{where} holds a model of {meta0['numel']} trainable values and this engine has "
                            f"{numel}: load it into the model it was saved from")
-    if meta0["round_index"] % engine.plan.rounds_per_step or meta0.get("kept") is not None:
+    if meta0["round_index"] % plan.rounds_per_step or meta0.get("kept") is not None:
         raise ReshardError(f"{where} was taken between the rounds of a step (round {meta0['round_index']}): its "
                            f"kept half belongs to the {n} workers of that step. Resume it with {n} workers, or "
                            "use a checkpoint at a step boundary (periodic checkpoints are)")
-    if "two_level" in (meta0.get("topology", "flat"), engine.topology):
+    if "two_level" in (meta0.get("topology", "flat"), topology):
         # its per-rank state (error feedback, 1-bit Adam's) covers a rail slice, not the buffer
         raise ReshardError(f"{where} was written by {n} workers and this run has {world}, under the two-level "
                            "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
@@ -88,7 +93,7 @@ def recut(engine, old: list[tuple[dict[str, torch.Tensor], dict]], where: str) -
     if meta0.get("outer", {}).get("unmerged"):
         raise ReshardError(f"{where} was taken with an outer round in flight (outer_overlap): resume it with "
                            f"{n} workers, or use a checkpoint taken after the round was merged")
-    local = bool(engine.plan.local_steps)
+    local = bool(plan.local_steps)
     mine = old[rank][0] if rank < n else None
     carried: dict[str, str] = {}
     dropped: list[str] = []
@@ -138,7 +143,7 @@ def recut(engine, old: list[tuple[dict[str, torch.Tensor], dict]], where: str) -
             raise ReshardError(f"{where}: no rule to re-cut {key!r} for another world size: resume with {n} workers")
 
     if any(k.startswith("feedback.") for k in old[0][0]):
-        fresh = engine.ctx.grads.state_dict(False)  # this engine's config (numel, group) and beta
+        fresh = ctx.grads.state_dict(False)  # this engine's config (numel, group) and beta
         group = int(fresh["feedback.config"][4])
         total = torch.stack([_feedback_error({k[9:]: v for k, v in t.items() if k.startswith("feedback.")},
                                              group)[:numel].to(torch.float64) for t, _ in old]).sum(0)

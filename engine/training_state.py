@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from .rounds import RoundContext
+from .state import EngineState
+
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
@@ -16,30 +19,37 @@ def _named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def gather_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
-    state, flat, ctx = engine.ctx.shard_state, engine.flat, engine.ctx
+def gather_state(ctx: RoundContext, strategy, counters: EngineState, accumulation, device: torch.device,
+                 topology: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's state from its owners: ``ctx`` (the shard, the pending gradient, the reducer's
+    error state), ``strategy`` (what it keeps between rounds), ``counters``, ``accumulation``
+    (measured speeds); ``topology`` ('flat' or 'two_level') is recorded for a re-cut."""
+    state, flat = ctx.shard_state, ctx.flat
     opt_tensors, opt_meta = state.state_dict()
     tensors = {f"opt.{k}": _cpu(v) for k, v in opt_tensors.items()}
     tensors["pending_grad"] = _cpu(flat.grads[flat.active])
     tensors["rng_cpu"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        tensors["rng_cuda"] = torch.cuda.get_rng_state(engine.device)
-    mid_step = engine.state.round_index % engine.plan.rounds_per_step != 0
+    if device.type == "cuda":
+        tensors["rng_cuda"] = torch.cuda.get_rng_state(device)
+    mid_step = counters.round_index % strategy.plan.rounds_per_step != 0
     tensors.update({k: _cpu(v) for k, v in ctx.grads.state_dict(mid_step).items()})
-    strategy_tensors, strategy_meta = engine.strategy.state_dict(ctx)
+    strategy_tensors, strategy_meta = strategy.state_dict(ctx)
     tensors.update(strategy_tensors)
-    meta = {"rank": engine.rank, "world_size": engine.world_size, "topology": engine.topology,
-            **engine.state.state_dict(),
+    meta = {"rank": ctx.comm.rank, "world_size": ctx.comm.world_size, "topology": topology,
+            **counters.state_dict(),
             "opt_step": opt_meta["step"], "shard_size": flat.shard_size, "numel": flat.numel,
-            "accumulation": engine.accumulation.state_dict(), **strategy_meta}
+            "accumulation": accumulation.state_dict(), **strategy_meta}
     return tensors, meta
 
 
-def restore_state(engine, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
-    flat, dev, ctx = engine.flat, engine.device, engine.ctx
+def restore_state(ctx: RoundContext, strategy, counters: EngineState, accumulation, worker,
+                  device: torch.device, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
+    """Give each owner its part of what ``gather_state`` returned; ``worker`` (the comm side)
+    adopts the restored tensors it may keep."""
+    flat, dev = ctx.flat, device
     tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
     # the comm side keeps some of these (a resumed ACCO kept half) and frees them there
-    engine.worker.adopt(tensors.values())
+    worker.adopt(tensors.values())
     if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
         raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
                          f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
@@ -52,6 +62,6 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: dict, where: s
     torch.set_rng_state(tensors["rng_cpu"].cpu())
     if "rng_cuda" in tensors and dev.type == "cuda":
         torch.cuda.set_rng_state(tensors["rng_cuda"].cpu(), dev)
-    engine.state.load_state_dict(meta, dev)
-    engine.accumulation.load_state_dict(meta.get("accumulation", {}))
-    engine.strategy.load_state_dict(ctx, tensors, meta)
+    counters.load_state_dict(meta, dev)
+    accumulation.load_state_dict(meta.get("accumulation", {}))
+    strategy.load_state_dict(ctx, tensors, meta)

@@ -608,7 +608,7 @@ def run(cfg: FinetuneConfig) -> None:
 
     # final engine checkpoint (unless checkpoint_every just wrote it) and the plain model
     if not (ckpt_root / f"step-{engine.step:08d}" / "engine.json").is_file():
-        ckpt.save_periodic(engine, str(ckpt_root))
+        engine.saver.save(str(ckpt_root))
     engine.close()
     if main:
         save_pretrained_plain(model, tokenizer, out / "model")

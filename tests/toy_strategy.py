@@ -15,7 +15,6 @@ reading their own config section (tests/toy_section.py, registered beside them):
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
@@ -27,27 +26,28 @@ from engine.strategies.zero1 import Zero1
 
 
 class ToyLoop(RoundLoop):
-    """Every boundary: one round, waited for; the step is taken here, on the compute side."""
+    """Every boundary: one round, waited for; the step is taken here, on the compute side. It
+    submits and records through RoundLoop's ``submit_round`` and ``record``, as the built-in
+    loops do."""
 
     def boundary(self, exhausted: bool) -> bool:
-        e = self.engine
-        st = e.state
-        req = RoundRequest(index=st.round_index, kind=RoundKind.COMMIT, step_index=st.step,
-                           grad_index=e.flat.active, count=st.pending_count, samples=st.pending_samples,
-                           loss_sum=st.pending_loss.clone(), exhausted=exhausted)
-        result = self.wait(e.worker.submit(req.index, partial(e.strategy.run_round, e.ctx, req)))
-        st.round_index += 1
+        p = self.parts
+        st = p.state
+        req = self.request(exhausted)
+        result = self.wait(self.submit_round(req))
         self.measure(result)
         if result.count:
-            e.strategy.step(e.ctx, result)
+            p.strategy.step(p.ctx, result)
             st.step += 1
-            self.append({"step": st.step, "loss": result.loss, "lr": result.lr, "samples": result.samples,
-                         "micro_batches": req.count, "global_micro_batches": result.count,
-                         "grad_norm": result.grad_norm, "skipped": False, "bad_ranks": [],
-                         "min_micro_batches": req.count})
-        e.flat.grads[e.flat.active].zero_()
-        st.start_accumulator(e.device)
-        return bool(result.exhausted_ranks) or st.step >= e.stop_at
+        p.flat.grads[p.flat.active].zero_()
+        st.start_accumulator(p.device)
+        stop = False
+        if result.count:  # after the accumulator restarts: a periodic checkpoint may follow
+            stop = self.record(step=st.step, loss=result.loss, lr=result.lr, samples=result.samples,
+                               micro_batches=req.count, global_micro_batches=result.count,
+                               grad_norm=result.grad_norm, skipped=False, bad_ranks=[],
+                               min_micro_batches=req.count)
+        return stop or bool(result.exhausted_ranks) or p.run.at_end(st.step)
 
     def drain(self) -> bool:
         return False  # nothing is ever left in flight
@@ -63,8 +63,8 @@ class ToySyncSGD(Strategy):
             raise ValueError("strategy 'toy_sync_sgd' sums fp32 gradients over a fixed batch: set codec='none' "
                              "and accumulation='fixed'")
 
-    def make_loop(self, engine):
-        return ToyLoop(engine)
+    def make_loop(self, parts):
+        return ToyLoop(parts)
 
     def initial_values(self, flat, full32, rank, layout):
         return full32  # every replica steps its own full copy

@@ -1,35 +1,33 @@
-"""What every compute loop shares: the round in flight, waiting for it, and the history.
+"""What every compute loop shares: the round in flight, submitting a round, waiting for it,
+and recording a committed step.
 
 The Engine owns the lifecycle (process group, device, worker thread, watchdog, checkpoints) and
 the micro-batches; at a round boundary it asks its loop what the boundary does (``boundary``).
-A loop reads the engine's public parts (``state``, ``ctx``, ``worker``, ``accumulation``, ...)
-and keeps its own: the round in flight and the tallies of the step being recorded.
+A loop is built from the engine's parts (``LoopParts``: never the engine itself) and keeps its
+own state: the round in flight. Every loop submits through ``submit_round`` and appends a
+history entry through ``record``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from functools import partial
 
-from ..checkpoint import Cadence
-from ..rounds import RoundResult
+from ..rounds import RoundRequest, RoundResult
 from ..streams import RoundHandle
+from ..watchdog import may_be_peer_failure
+from .parts import LoopParts
+
+log = logging.getLogger("acco_loco")
 
 
 class RoundLoop:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, parts: LoopParts):
+        self.parts = parts
         self.inflight: RoundHandle | None = None
         self.submitted_at = 0.0
-        self.step_rounds = 0  # rounds finished since the last history entry
-        self.step_bytes = 0  # their bytes
         self.round_compute_s = 0.0  # this worker's compute seconds in the round it accumulates
-        self.clock = time.perf_counter()  # when the last history entry (or the loop) started
-        counter = engine.comm.counter
-        self.link_mark = (counter.intra, counter.inter)  # after the start-up broadcast
-        self.cpu_mark = (time.process_time(), time.thread_time())
-        # checkpoint_every_s: the step of the next time-based checkpoint, agreed at each save
-        self.cadence = Cadence(engine.step) if engine.cfg.checkpoint_every_s is not None else None
-        self.pending_save = None  # checkpoint_async: the periodic save being written (engine/checkpoint.py)
 
     # ------------------------------------------------------------------ what a loop decides
     def boundary(self, exhausted: bool) -> bool:
@@ -48,67 +46,97 @@ class RoundLoop:
         handle, self.inflight = self.inflight, None
         return self.finish(handle)
 
+    def abandon(self) -> None:
+        """After an error: the round in flight is left (the comm side was told to stop)."""
+        self.inflight = None
+
     def round_may_end(self) -> bool:
         """Whether this worker's micro-batches complete the round: its share of them (grow: at
         least that many, and more while the round in flight is still on the wire)."""
-        e = self.engine
-        grow, least = e.accumulation.grow, e.accumulation.minimum(e.round_index)
-        if e.state.pending_count < least:
+        p = self.parts
+        grow, least = p.accumulation.grow, p.accumulation.minimum(p.state.round_index)
+        if p.state.pending_count < least:
             return False
         if not grow or self.inflight is None:
             return True
-        if e.cfg.max_micro_batches is not None and e.state.pending_count >= e.cfg.max_micro_batches:
+        if p.cfg.max_micro_batches is not None and p.state.pending_count >= p.cfg.max_micro_batches:
             return True
         if self.inflight.done():
             return True
-        return time.perf_counter() - self.submitted_at > e.cfg.timeout_s  # the wait names the peer that holds it up
+        return time.perf_counter() - self.submitted_at > p.cfg.timeout_s  # the wait names the peer that holds it up
 
     def on_micro_batch(self, seconds: float) -> None:
         self.round_compute_s += seconds
 
-    def restart_clock(self) -> None:
-        self.clock = time.perf_counter()
+    # ------------------------------------------------------------------ shared verbs
+    def request(self, exhausted: bool) -> RoundRequest:
+        """The micro-batches accumulated since the last round, as the next round's request."""
+        p = self.parts
+        st, plan = p.state, p.plan
+        req = RoundRequest(
+            index=st.round_index, kind=plan.kind(st.round_index), step_index=st.step,
+            grad_index=p.flat.active, count=st.pending_count, samples=st.pending_samples,
+            loss_sum=st.pending_loss.clone(), exhausted=exhausted,
+            first_of_step=st.round_index % plan.rounds_per_step == 0,
+            micro_batch_s=self.round_compute_s / st.pending_count if st.pending_count else 0.0)
+        self.round_compute_s = 0.0
+        return req
 
-    # ------------------------------------------------------------------ shared helpers
+    def submit_round(self, req: RoundRequest) -> RoundHandle:
+        """Hand a round to the comm side (the strategy's ``run_round``) and count it: the round
+        index, this worker's micro-batches in it, the round the heartbeats publish."""
+        p = self.parts
+        if p.worker.stream is not None:
+            # the comm stream reads this compute-stream tensor: keep its memory until it has
+            req.loss_sum.record_stream(p.worker.stream)
+        handle = p.worker.submit(req.index, partial(p.strategy.run_round, p.ctx, req))
+        self.submitted_at = time.perf_counter()
+        p.state.round_index += 1
+        p.run.submitted(req.count)
+        p.watchdog.round = req.index
+        return handle
+
     def wait(self, handle: RoundHandle) -> RoundResult:
         """The round's result, or the error a user should see (a lost peer is named)."""
-        e = self.engine
+        p = self.parts
         try:
-            return handle.wait(e.cfg.timeout_s)
+            return handle.wait(p.cfg.timeout_s)
         except Exception as exc:
-            err = e.explain(exc, f"round {handle.index} on rank {e.rank}")
+            err = self.explain(exc, f"round {handle.index} on rank {p.rank}")
             if err is exc:
                 raise
             raise err from exc
 
+    def explain(self, exc: Exception, where: str) -> Exception:
+        """The error a user should see for a failed round: the round's own exception (with
+        where it happened), or WorkerLostError when the failure is a peer that died or stalled."""
+        if self.parts.world_size > 1 and may_be_peer_failure(exc):
+            lost = self.parts.watchdog.diagnose(where)
+            if lost.ranks or isinstance(exc, TimeoutError):
+                return lost
+        exc.add_note(f"(raised on the communication side: {where})")
+        return exc
+
     def measure(self, result: RoundResult) -> None:
-        """A finished round's CPU, rounds, bytes and phases, for the next history entry."""
-        e = self.engine
-        # what the other threads (comm, gloo) used since the last round ended: on CPU it is
-        # taken from the compute side's cores
-        proc, main = time.process_time(), time.thread_time()
-        comm_cpu = max(0.0, (proc - self.cpu_mark[0]) - (main - self.cpu_mark[1]))
-        self.cpu_mark = (proc, main)
-        e.comm_cpu_s.append(comm_cpu)
-        e.accumulation.on_round(result.micro_batch_s, comm_cpu)
-        self.step_rounds += 1
-        self.step_bytes += result.bytes_sent
-        if e.cfg.record_timeline:
-            for phase, (a, b) in result.phases.items():
-                e.timeline.append((phase, e.rank, a, b, result.index))
+        """A finished round's CPU, rounds, bytes and phases, for the next history entry and the pacing."""
+        comm_cpu = self.parts.run.round_done(result)
+        self.parts.accumulation.on_round(result.micro_batch_s, comm_cpu)
 
-    def link_bytes(self) -> dict:
-        """Bytes this rank sent since the last history entry, to its own node and to others."""
-        c = self.engine.comm.counter
-        intra, inter = c.intra - self.link_mark[0], c.inter - self.link_mark[1]
-        self.link_mark = (c.intra, c.inter)
-        return {"wire_bytes_intra": intra, "wire_bytes_inter": inter}
+    def record(self, **fields) -> bool:
+        """Append a committed step's history entry (``RunState.record`` takes ``fields``); a
+        periodic checkpoint due at this step follows, after the round in flight is finished.
+        True when that round says stop."""
+        p = self.parts
+        p.run.record(**fields)
+        if not p.saver.due(p.state.step):
+            return False
+        stop = self.drain()  # a checkpoint needs no round in flight
+        p.saver.save()
+        return stop
 
-    def append(self, entry: dict, **more) -> None:
-        """Complete a history entry with the step's tallies, its time and ``more``, and append it."""
-        now = time.perf_counter()
-        entry.update({"wire_bytes": self.step_bytes, "time_s": now - self.clock, "rounds": self.step_rounds,
-                      **more, **self.link_bytes()})
-        self.engine.history.append(entry)
-        self.clock = now
-        self.step_rounds = self.step_bytes = 0
+    def stopped_early(self, ranks: list[int]) -> bool:
+        """Some rank's data ran out: say so; True (training stops)."""
+        log.warning("training stopped at step %d: the data of rank(s) %s ran out; %d micro-batches "
+                    "accumulated on this rank stay pending and are used if fit() continues",
+                    self.parts.state.step, ranks, self.parts.state.pending_count)
+        return True

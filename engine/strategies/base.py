@@ -34,11 +34,12 @@ class Strategy:
         (engine/collectives.py ``codec_groups`` adds them to the configured codecs')."""
         return []
 
-    def make_loop(self, engine):
-        """The compute loop that drives this strategy's rounds (engine/loops/): sharded rounds."""
+    def make_loop(self, parts):
+        """The compute loop that drives this strategy's rounds (engine/loops/), built from the
+        engine's parts (``engine.loops.parts.LoopParts``): sharded rounds."""
         from ..loops.sharded import ShardedLoop  # the runtime loads only when an engine is built
 
-        return ShardedLoop(engine)
+        return ShardedLoop(parts)
 
     @classmethod
     def check_global_batches(cls, cfg) -> None:

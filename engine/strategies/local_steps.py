@@ -124,10 +124,10 @@ class LocalStepStrategy(Strategy):
         if wrong:
             raise ValueError(f"strategy {cfg.strategy!r} cannot honour this configuration: set " + "; ".join(wrong))
 
-    def make_loop(self, engine):
+    def make_loop(self, parts):
         from ..loops.local_steps import LocalStepsLoop  # the runtime loads only when an engine is built
 
-        return LocalStepsLoop(engine)
+        return LocalStepsLoop(parts)
 
     @classmethod
     def check_global_batches(cls, cfg) -> None:

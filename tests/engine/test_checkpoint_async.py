@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.checkpoint import _read
+from engine.checkpoint_files import read as _read
 from engine.local_group import spawn
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 

@@ -187,7 +187,7 @@ def test_world2_corrupt_rank1_file_stops_every_rank(tmp_path):
 
 # ---------------------------------------------------------------------------- item 4: lost during save
 def dies_in_save(rank: int, world: int, root: str, victim: int):
-    import engine.checkpoint as ckpt
+    import engine.checkpoint_files as ckpt  # the module that writes the files
 
     real = ckpt.save_file
 

@@ -46,26 +46,3 @@ class StepResult:
         """The history entry again (the same keys and values)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         return {**out, **self.extra}
-
-
-def done_message(step: int, max_steps: int, stop_at: int) -> str:
-    """Why a loop takes no more batches (what ``feed`` after ``done`` says)."""
-    if step >= max_steps:
-        return (f"the engine is at step {step}, its max_steps: nothing more to train (load it with "
-                f"a new horizon to continue: Engine.load(directory, model, max_steps=...))")
-    if step >= stop_at:
-        return f"this loop's steps are done at step {step}: begin(steps) starts another piece"
-    return (f"training stopped at step {step}: the data of some worker ran out; begin() and "
-            f"feed() again on every rank to continue with more data")
-
-
-def loop_end(step: int, max_steps: int, steps: int | None) -> int:
-    """The step at which a loop started at ``step`` ends: ``steps`` more, at most ``max_steps``."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
-    if step >= max_steps:
-        raise RuntimeError(
-            f"the engine is at step {step}, its max_steps is {max_steps}: nothing to "
-            f"train. To continue a saved run, load it with a new horizon: "
-            f"Engine.load(directory, model, loss_fn=..., max_steps={step + max_steps})")
-    return max_steps if steps is None else min(max_steps, step + steps)
