@@ -103,3 +103,54 @@ def parse_grad_codec(name: str) -> GradCodecSpec | None:
                      "(classic error feedback) or loco (LoCo moving average) and bits 8, 4 or 2, "
                      "or 1-bit 'sign1' / 'ef1' / 'loco1' (sign x RMS), or 'fp16' (a half-precision cast); "
                      f"registered: {', '.join(GRAD_CODECS)}")
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    """A (gradient codec, parameter codec) pair, parsed once: what the engine builds from it
+    (engine/collectives.py), what it needs of the shard size and what the planner counts."""
+
+    grad: GradCodecSpec | None  # None: the gradient goes at the compute dtype
+    param: str  # a PARAM_CODECS name
+    group_size: int
+    scale_dtype: str | torch.dtype
+
+    @property
+    def grad_wire(self) -> Codec | None:
+        return None if self.grad is None else self.grad.make_wire(self.group_size, self.scale_dtype)
+
+    @property
+    def param_deltas(self) -> bool:
+        return self.param in PARAM_DELTA_CODECS
+
+    def param_wire(self) -> Codec | None:
+        """The low-bit delta codec of the parameter all-gather (None: a cast)."""
+        return WIRE_CODECS[self.param](self.group_size, self.scale_dtype) if self.param_deltas else None
+
+    def param_cast_bytes(self, compute_bytes: int) -> int:
+        """Bytes per value of the parameter cast (auto: the compute dtype's)."""
+        return {"auto": compute_bytes, "float32": 4, "bfloat16": 2}[self.param]
+
+    def param_wire_bytes(self, values: int, compute_bytes: int) -> int:
+        """Bytes of ``values`` parameters on the wire, cast or as low-bit deltas."""
+        wire = self.param_wire()
+        return values * self.param_cast_bytes(compute_bytes) if wire is None else wire.wire_bytes(values)
+
+    def groups(self) -> list[int]:
+        """The group sizes every shard must be a multiple of for these codecs."""
+        wire = self.grad_wire
+        return ([] if wire is None else [wire.group_size]) + ([self.group_size] if self.param_deltas else [])
+
+    def unit(self, align: int) -> int:
+        """The piece each rank's shard is a multiple of (engine/context.py pads to it)."""
+        import math
+
+        return math.lcm(align, *self.groups())
+
+
+def parse_codecs(codec: str, param_codec: str = "auto", group_size: int = 128,
+                 scale_dtype: str | torch.dtype = "float32") -> CodecChoice:
+    """The one parser of the codec names: EngineConfig's ``codec`` and ``param_codec``."""
+    if param_codec not in PARAM_CODECS:
+        raise ValueError(f"unknown param_codec {param_codec!r}: choose one of {', '.join(PARAM_CODECS)}")
+    return CodecChoice(parse_grad_codec(codec), param_codec, group_size, scale_dtype)

@@ -33,7 +33,8 @@ zero1) and ~9% above for ACCO's chunked compressed exchange at 2 x 2 (many small
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from engine.topology import Layout
 
 FP32 = 4
 
@@ -55,43 +56,34 @@ R_SIGN1 = group_codec_ratio(1)  # 1-bit Adam's momentum, both ways
 R_TOPK = topk_ratio()
 
 
-@dataclass(frozen=True)
-class Layout:
-    nodes: int  # M
-    ranks_per_node: int  # G
+# each: bytes through one node's link (as a multiple of the exchange's size X = 1), on the one
+# Layout (engine/topology.py: M nodes of G ranks)
+def ring_all_reduce(lay: Layout) -> float:
+    n = lay.world
+    return 2 * (n - 1) / n if lay.nodes > 1 else 0.0
 
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError(f"nodes and ranks_per_node must be >= 1, got {self.nodes} x {self.ranks_per_node}")
 
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
+def ring_all_gather(lay: Layout) -> float:
+    n = lay.world
+    return (n - 1) / n if lay.nodes > 1 else 0.0
 
-    # each: bytes through one node's link (as a multiple of the exchange's size X = 1)
-    def ring_all_reduce(self) -> float:
-        n = self.world
-        return 2 * (n - 1) / n if self.nodes > 1 else 0.0
 
-    def ring_all_gather(self) -> float:
-        n = self.world
-        return (n - 1) / n if self.nodes > 1 else 0.0
+def all_to_all(lay: Layout) -> float:
+    return lay.ranks_per_node * (lay.nodes - 1) / lay.nodes
 
-    def all_to_all(self) -> float:
-        return self.ranks_per_node * (self.nodes - 1) / self.nodes
 
-    def rail(self) -> float:
-        """A two-level exchange's ring all-gather or all-to-all over the rails (X: the whole vector)."""
-        return (self.nodes - 1) / self.nodes
+def rail(lay: Layout) -> float:
+    """A two-level exchange's ring all-gather or all-to-all over the rails (X: the whole vector)."""
+    return (lay.nodes - 1) / lay.nodes
 
 
 def sharded(layout: Layout, r_grad: float, r_param: float, rounds: int, topology: str) -> float:
     """zero1 / acco / 1-bit Adam: per round a reduce-scatter (all-to-all) of the gradient at
     ``r_grad`` and an all-gather of the parameters at ``r_param``; per step ``rounds`` rounds."""
     if topology == "flat":
-        per_round = layout.all_to_all() * r_grad + layout.ring_all_gather() * r_param
+        per_round = all_to_all(layout) * r_grad + ring_all_gather(layout) * r_param
     elif topology == "two_level":
-        per_round = layout.rail() * (r_grad + r_param)
+        per_round = rail(layout) * (r_grad + r_param)
     else:
         raise ValueError(f"topology {topology!r}: 'flat' or 'two_level'")
     return rounds * per_round
@@ -112,8 +104,8 @@ def sparseloco(layout: Layout, topology: str, inner_steps: int = 15, r: float = 
 
 # name -> bytes through one node's link per optimizer step, over S
 FORMULAS = {
-    "torch-ddp fp32": lambda lay: lay.ring_all_reduce(),
-    "torch-ddp bf16": lambda lay: lay.ring_all_reduce() / 2,
+    "torch-ddp fp32": lambda lay: ring_all_reduce(lay),
+    "torch-ddp bf16": lambda lay: ring_all_reduce(lay) / 2,
     "zero1@flat": lambda lay: sharded(lay, 1.0, 1.0, 1, "flat"),
     "zero1@two_level": lambda lay: sharded(lay, 1.0, 1.0, 1, "two_level"),
     "acco+loco4+int4params@flat": lambda lay: sharded(lay, R_LOCO4, R_LOCO4, 2, "flat"),

@@ -38,7 +38,7 @@ from benchmarks.testbed import Testbed  # noqa: E402
 from engine.local_group import free_port  # noqa: E402
 from engine.planner.modes import Mode  # noqa: E402
 from engine.planner.quality import bench_name, first_crossing, results_doc, run_factor  # noqa: E402
-from engine.planner.validate import RESULTS  # noqa: E402
+from benchmarks.plan_validate import RESULTS  # noqa: E402
 
 # the matched-batch (B = 16, 2x1) JSONs of each rate: first the runs made for this check on this
 # machine (every mode the planner ranks, side by side), then the earlier ones, made on a CPU 1.67x
@@ -73,7 +73,7 @@ def run_ratios(run: dict, ddp_run: dict) -> tuple[float, float] | None:
 
 def measured(file: str) -> dict[str, dict]:
     """mode -> its time to DDP's loss over DDP's in one JSON (medians over the seeds DDP ran)."""
-    rows = {o["mode"]: o for o in results_doc(file)["modes"]}
+    rows = {o["mode"]: o for o in results_doc(RESULTS, file)["modes"]}
     ddp = rows["torch-ddp"]
     ddp_runs = {r["seed"]: r for r in ddp["runs"] if r["lr"] == ddp["lr"]}
     out = {}
@@ -102,7 +102,7 @@ def probe(rate: str, model_dir: Path, out: Path, prefix: str, timeout_s: float) 
     port = str(free_port())
     argv = [sys.executable, "-m", "engine.plan", "--measure", "--model", str(model_dir), "--seq-len", "128",
             "--cpu-testbed", "--flat-only", "--global-batch", "16", "--micro-batch", "8",
-            "--compute-dtype", "float32", "--steps", str(STEPS), "--json", str(out)]
+            "--compute-dtype", "float32", "--steps", str(STEPS), "--results", str(RESULTS), "--json", str(out)]
     with Testbed(workers=2, link=LinkSpec(rate=rate), prefix=prefix) as bed:
         procs = []
         for rank in range(2):

@@ -1,72 +1,82 @@
 """``strategy="auto"`` (opt-in): the engine chooses its strategy and codecs at start from the
 planner and a probe of the cluster it runs on (docs/DESIGN.md section 12.6).
 
-Among the strategies that keep synchronous AdamW's loss per sample (zero1, dpu, acco; never a
-local-step method, never 1-bit Adam), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or
-int4 parameter deltas (a codec or parameter codec the caller set is kept), it predicts the time
-per sample of each from the measured link rate and the measured compute of a synthetic
-micro-batch, and takes the fastest; modes within 3% of it count as equally fast and the one with
-the fewest lossy codecs and rounds is taken. Every rank probes with the slowest rank's figures,
-so all ranks choose the same. The choice and its predicted figures are logged (logger
-``acco_loco``) and kept in ``engine.auto.last_decision``.
+Among the strategies whose spec says their update is AdamW's (never a local-step method, never
+1-bit Adam), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas (a
+codec or parameter codec the caller set is kept), it predicts the time per sample of each from
+the measured link rate and the measured compute of a synthetic micro-batch, and takes the
+fastest; modes within 3% of it count as equally fast and the one with the fewest lossy codecs
+and rounds is taken. Every rank probes with the slowest rank's figures, so all ranks choose the
+same. The choice and its predicted figures are logged (logger ``acco_loco``) and returned as an
+``AutoChoice`` (the Engine keeps it as ``engine.auto_choice``).
+
+The probe needs the process group, so the group starts here, the way the Engine starts it
+(engine/context.py ``start_process_group``); the Engine then finds it running.
 
 The compute probe times one synthetic sample per micro-batch (a sequence of up to 512 tokens for
 a transformers model, one row for a model that starts with a Linear layer): a run whose
 micro-batches hold more samples is more compute-bound than the probe assumes, so the choice
 leans towards the codecs; ``python -m engine.plan --measure`` with the run's real micro-batch
-is the precise tool."""
+is the precise tool (it also prints the measured loss per sample, which the engine has no
+results folder for)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger("acco_loco")
 
-last_decision: dict | None = None  # the latest resolution on this process (tests, logs)
+
+@dataclass(frozen=True)
+class AutoChoice:
+    strategy: str
+    codec: str
+    param_codec: str
+    why: str
+    predicted_step_s: float = 0.0
+    predicted_s_per_micro_batch: float = 0.0
+    inter_Bps: float = 0.0
+    samples_per_s: float = 0.0
 
 
-def resolve(cfg, model: torch.nn.Module):
-    """``cfg`` itself unless ``cfg.strategy == "auto"``; then a copy with the chosen strategy,
-    codec and param_codec."""
-    global last_decision
+def choose_strategy(cfg, model: torch.nn.Module):
+    """(cfg, None) unless ``cfg.strategy == "auto"``; then (a copy with the chosen strategy, codec
+    and param_codec, the AutoChoice that says why)."""
     if cfg.strategy != "auto":
-        return cfg
-    from .comm import init_process_group
+        return cfg, None
+    from .context import start_process_group
     from .planner.hardware import cpu_testbed, gpu
-    from .planner.modes import AUTO_STRATEGIES, Mode
-    from .planner.plan import TIE, _simplicity
-    from .planner.probe import model_step, probe_cluster
-    from .planner.quality import quality
+    from .planner.modes import CODEC_VARIANTS, Mode, auto_strategies
+    from .planner.probe import model_step, probe_cluster, time_compute
+    from .planner.recommend import TIE, simplicity
     from .planner.shape import ModelShape
     from .planner.timeline import Batch, step_time
-    from .planner.wire import Layout, WireSettings
+    from .planner.wire import WireSettings
+    from .topology import Layout
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
         raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                          "unfreeze at least one parameter")
-    device = params[0].device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    rank, world = init_process_group(device, cfg.timeout_s)
+    device, rank, world = start_process_group(named, cfg)
+    params = [p for _, p in named]
     out = copy.deepcopy(cfg)
-    if world == 1:  # nothing to exchange: the synchronous reference
-        out.strategy = "zero1"
+    if world == 1:  # nothing to exchange: the synchronous one (one round, no overlap)
+        out.strategy = min(auto_strategies(), key=lambda s: (Mode(s).rounds, Mode(s).overlap))
         out.validate()
-        last_decision = {"strategy": "zero1", "why": "world size 1: nothing to exchange"}
-        log.info("strategy=auto -> zero1 (world size 1: nothing to exchange)")
-        return out
+        why = f"strategy=auto -> {out.strategy} (world size 1: nothing to exchange)"
+        log.info(why)
+        return out, AutoChoice(out.strategy, out.codec, out.param_codec, why)
     numel = sum(p.numel() for p in params)
     try:
         step = model_step(model, 1)
     except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"strategy='auto' cannot time this model's forward on a synthetic batch ({exc}): "
                          "set the strategy yourself (python -m engine.plan says which)") from exc
-    from .planner.probe import time_compute
-
     measured = probe_cluster(None, 1, None, payload=min(8 * 2**20, max(2**20, numel * 4)), repeats=2)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # e.g. BatchNorm's running stats
     samples_per_s = time_compute(step, 1, device, repeats=2)
@@ -80,12 +90,12 @@ def resolve(cfg, model: torch.nn.Module):
           if device.type == "cuda" else cpu_testbed(measured.inter_Bps * 8, samples_per_s))
     shape = ModelShape(numel, 1, 1, 1, 1)
     layout = Layout(measured.nodes, measured.per_node)
-    codecs = [(c, p) for c, p in (("none", "auto"), ("loco4", "auto"), ("loco4", "int8"), ("loco4", "int4"))
+    codecs = [(c, p) for c, p in CODEC_VARIANTS
               if (cfg.codec == "none" or c == cfg.codec) and (cfg.param_codec == "auto" or p == cfg.param_codec)]
     if not codecs:  # a codec the table does not list: keep it as given
         codecs = [(cfg.codec, cfg.param_codec)]
     scored = []
-    for strategy in AUTO_STRATEGIES:
+    for strategy in auto_strategies():
         for codec, param_codec in codecs:
             mode = Mode(strategy, codec, param_codec)
             per_step = cfg.global_micro_batches or cfg.micro_batches * world * mode.rounds
@@ -95,19 +105,15 @@ def resolve(cfg, model: torch.nn.Module):
             scored.append((t.step_s / per_step, mode, t))
     best = min(s for s, _, _ in scored)
     per_sample, mode, t = min((x for x in scored if x[0] <= best * (1 + TIE)),
-                              key=lambda x: (_simplicity(x[1]), x[0]))
+                              key=lambda x: (simplicity(x[1]), x[0]))
     out.strategy, out.codec, out.param_codec = mode.strategy, mode.codec, mode.param_codec
     out.validate()
-    q = quality(mode)
     why = (f"strategy=auto -> {mode.name}: predicted {per_sample * 1e3:.3g} ms per micro-batch "
            f"({t.step_s:.3g} s/step: compute {t.compute_s:.3g} s, node link {t.inter_s:.3g} s, comm-side work "
            f"{t.comm_work_s:.3g} s), {t.bytes.rank / 1e6:.4g} MB per rank per step; measured: {measured.describe()}, "
-           f"compute {samples_per_s:.3g} synthetic samples/s; loss vs AdamW "
-           + ("not measured" if q.loss_vs_adamw_pct is None else f"{q.loss_vs_adamw_pct:+.2f}%")
-           + "; others: " + ", ".join(f"{m.name} {s * 1e3:.3g} ms" for s, m, _ in sorted(scored, key=lambda x: x[0])[:5]))
-    last_decision = {"strategy": mode.strategy, "codec": mode.codec, "param_codec": mode.param_codec,
-                     "predicted_step_s": t.step_s, "predicted_s_per_micro_batch": per_sample,
-                     "inter_Bps": measured.inter_Bps, "samples_per_s": samples_per_s, "why": why}
+           f"compute {samples_per_s:.3g} synthetic samples/s; others: "
+           + ", ".join(f"{m.name} {s * 1e3:.3g} ms" for s, m, _ in sorted(scored, key=lambda x: x[0])[:5]))
     if rank == 0:
         log.info(why)
-    return out
+    return out, AutoChoice(mode.strategy, mode.codec, mode.param_codec, why, t.step_s, per_sample,
+                           measured.inter_Bps, samples_per_s)

@@ -33,12 +33,11 @@ import torch
 
 from acco_loco import kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback, compress
-from acco_loco.registry import PARAM_DELTA_CODECS, WIRE_CODECS, GradCodecSpec, parse_grad_codec
+from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
 from .comm import PIECE_ALIGN, Comm, chunk_bounds
 from .host import nonfinite_flag, nonfinite_rows_parts
 from .rounds import Reduced
-from .strategies import strategy_class
 
 
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -395,24 +394,15 @@ class DeltaParams(_Gatherer):
         return []
 
 
-def codec_groups(cfg) -> list[int]:
-    """The group sizes the configured codecs need every shard to be a multiple of."""
-    spec = parse_grad_codec(cfg.codec)
-    groups = [] if spec is None else [spec.make_wire(cfg.group_size, cfg.scale_dtype).group_size]
-    if cfg.param_codec in PARAM_DELTA_CODECS:
-        groups.append(cfg.group_size)
-    return groups + strategy_class(cfg.strategy).codec_groups(cfg)  # a strategy's own wire codecs
-
-
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):
     """(gradient reducer, parameter gatherer) for an EngineConfig."""
     if torch.device(device).type == "cpu":
         kernels.available()  # build and check the fused kernels now, never inside a round
-    spec = parse_grad_codec(cfg.codec)
-    grads = PlainGrads() if spec is None else CompressedGrads(
-        spec, padded, world, cfg.group_size, cfg.scale_dtype, cfg.loco_beta, cfg.reset_period,
+    codecs = parse_codecs(cfg.codec, cfg.param_codec, cfg.group_size, cfg.scale_dtype)
+    grads = PlainGrads() if codecs.grad is None else CompressedGrads(
+        codecs.grad, padded, world, cfg.group_size, cfg.scale_dtype, cfg.loco_beta, cfg.reset_period,
         cfg.error_storage, device, cfg.stochastic_rounding, seed=cfg.seed * 65537 + rank)
-    if cfg.param_codec in PARAM_DELTA_CODECS:
+    if codecs.param_deltas:
         return grads, DeltaParams(cfg.param_codec, world, cfg.group_size, cfg.scale_dtype)
     wire = compute_dtype if cfg.param_codec == "auto" else getattr(torch, cfg.param_codec)
     return grads, CastParams(wire)

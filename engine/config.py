@@ -41,7 +41,7 @@ _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
 
 
-class Layout(NamedTuple):
+class ConfigLayout(NamedTuple):
     """Every section and flat name of EngineConfig under the current strategy registry."""
 
     sections: dict[str, type]  # by attribute name, in to_dict's order
@@ -50,13 +50,13 @@ class Layout(NamedTuple):
     rules: dict[str, Rule]  # flat keyword or top-level field -> its rule
 
 
-def config_layout() -> Layout:
+def config_layout() -> ConfigLayout:
     """The sections, flat names and rules; a section registered later (a test's) is picked up."""
     return _layout(tuple(STRATEGY_SECTIONS.items()))
 
 
 @functools.lru_cache(maxsize=1)
-def _layout(registry: tuple[tuple[str, str], ...]) -> Layout:
+def _layout(registry: tuple[tuple[str, str], ...]) -> ConfigLayout:
     own = {name: section_class(name) for name, _ in registry}
     sections = {**CORE_SECTIONS, **own, **LAST_SECTIONS}
     flat_name = {key: name for name, key in _RENAMED.items()}
@@ -74,7 +74,7 @@ def _layout(registry: tuple[tuple[str, str], ...]) -> Layout:
         raise RuntimeError(f"fields and rules disagree on {unruled}: give every field exactly one rule (a "
                            "section's field in the section's RULES, a top-level one in engine/config.py _RULES)")
     rules = {**_RULES, **{name: sections[sec].RULES[field] for name, sec, field in pairs}}
-    return Layout(sections, tuple(own), {name: (sec, field) for name, sec, field in pairs}, rules)
+    return ConfigLayout(sections, tuple(own), {name: (sec, field) for name, sec, field in pairs}, rules)
 
 
 @dataclass(init=False, eq=False, repr=False)

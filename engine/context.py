@@ -10,8 +10,9 @@ import os
 import torch
 
 from acco_loco.optim import init_state
+from acco_loco.registry import parse_codecs
 
-from .collectives import codec_groups, make_collectives
+from .collectives import make_collectives
 from .comm import init_process_group, resolve_chunks
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
@@ -42,6 +43,12 @@ def start_process_group(named: list, cfg) -> tuple[torch.device, int, int]:
     return (device, *init_process_group(device, cfg.timeout_s))
 
 
+def shard_groups(cfg, strategy) -> list[int]:
+    """The group sizes every shard must be a multiple of: the configured codecs' and the
+    strategy's own wire codecs' (1-bit Adam's sign1 groups)."""
+    return parse_codecs(cfg.codec, cfg.param_codec, cfg.group_size, cfg.scale_dtype).groups() + strategy.codec_groups(cfg)
+
+
 def warn_shared_elastic_store() -> None:
     """torchrun's workers share the rendezvous agent's store by default; after an elastic restart
     the store still holds the last attempt's keys and a new process group can connect to a dead
@@ -66,7 +73,7 @@ def build_context(engine, named: list) -> RoundContext:
     if cfg.compute_dtype != "auto":
         engine.model.to(dtype)
     flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
-                      math.lcm(cfg.align, *codec_groups(cfg)), dtype)
+                      math.lcm(cfg.align, *shard_groups(cfg, engine.strategy)), dtype)
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     padded32[:flat32.numel()] = flat32

@@ -19,7 +19,7 @@ import torch
 
 from . import checkpoint_load
 from .agreement import check_agreement
-from .auto import resolve as resolve_auto
+from .auto import choose_strategy
 from .batching import Accumulation
 from .checkpoint import CheckpointWriter
 from .checkpoint_periodic import PeriodicSaver
@@ -55,7 +55,7 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
         cfg.validate()
-        cfg = resolve_auto(cfg, model)  # strategy="auto": the planner and a probe choose (engine/auto.py)
+        cfg, self.auto_choice = choose_strategy(cfg, model)  # strategy="auto": the planner chooses (engine/auto.py)
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn or default_loss
         self.strategy = make_strategy(cfg)
         self.plan = self.strategy.plan

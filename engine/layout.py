@@ -9,7 +9,7 @@ import torch
 
 from .collectives import make_collectives
 from .comm import Comm
-from .topology import Layout, build_groups, check_agreement, detect_layout, ranks_per_node, resolve
+from .topology import Layout, build_groups, check_node_layout, detect_layout, exchange_for, ranks_per_node
 from .two_level import TwoLevelGrads, TwoLevelParams
 
 log = logging.getLogger("acco_loco")
@@ -19,9 +19,9 @@ def choose_topology(cfg, strategy, rank: int, world: int, device: torch.device) 
     """(the layout, 'flat' or 'two_level'); every rank checks that all agree on the layout."""
     g = ranks_per_node(cfg.ranks_per_node)
     if world > 1:
-        check_agreement(g, rank, world, device)
+        check_node_layout(g, rank, world, device)
     layout = detect_layout(g, rank, world, cfg.topology)
-    topology = resolve(cfg.topology, layout)
+    topology = exchange_for(cfg.topology, layout)
     if topology == "two_level" and not strategy.two_level:
         if cfg.topology == "two_level":
             raise ValueError(f"strategy {cfg.strategy!r} has no two-level exchange yet (the sharded strategies "

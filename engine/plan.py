@@ -1,8 +1,11 @@
 """Plan a run before renting the cluster: ``python -m engine.plan``.
 
 Predicts, for every strategy and codec the engine has (and torch DDP), the step time, the bytes
-through each node's link, the training state per GPU and the measured loss per sample against
-AdamW, then recommends one and says why (docs/DESIGN.md section 12, README "Planning a run").
+through each node's link, the training state and activations per GPU, whether they fit its
+memory, and the measured loss per sample against AdamW, then recommends one that fits and says
+why, or, when none fits, what would (docs/DESIGN.md section 12, README "Planning a run"). The
+measured losses come from the benchmark JSONs of --results (default ./docs/results: run it from
+the repository's root, or name the folder).
 
     python -m engine.plan --model 8b --nodes 8 --gpus-per-node 8 --inter-gbit 10 \\
         --global-batch 1024 --micro-batch 4
@@ -17,14 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 
-from .planner.hardware import H100_BF16_FLOPS, cpu_testbed, gpu
+from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, cpu_testbed, gpu
 from .planner.modes import candidates
-from .planner.plan import format_plan, make_plan
+from .planner.fit import CHECKPOINTING
+from .planner.recommend import format_plan, make_plan
 from .planner.shape import PRESETS, from_shape, from_transformers
 from .planner.timeline import Batch
-from .planner.wire import Layout, WireSettings
+from .planner.wire import WireSettings
+from .topology import Layout
+
+DEFAULT_RESULTS = Path("docs") / "results"  # relative to the current directory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--intra-gbyte", type=float, default=450.0, help="per-GPU bandwidth inside a node, GB/s (NVLink 4: 450)")
     c.add_argument("--tflops", type=float, default=H100_BF16_FLOPS / 1e12, help="peak TFLOP/s per GPU (H100 bf16: 989)")
     c.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the compute")
+    c.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help=f"one GPU's memory, GiB (default: the H100 80GB's {H100_MEM_GIB}; with --cpu-testbed: not checked)")
     c.add_argument("--samples-per-s", type=float, default=0.0, help="measured samples/s per worker (overrides FLOPs x MFU)")
     c.add_argument("--cpu-testbed", action="store_true",
                    help="price the comm side as the CPU testbed does (one core per worker, gloo; docs/DESIGN.md 10.3)")
@@ -54,9 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch", type=int, default=1024, help="samples per optimizer step, all workers")
     b.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per worker")
     b.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    b.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="auto",
+                   help="per block: auto = only for the modes that do not fit without it (its recompute is "
+                   "in their step time)")
     b.add_argument("--steps", type=int, help="optimizer steps of the planned run: the samples each mode needs to "
                    "reach AdamW's loss come from the benchmark runs nearest that length (default: all runs)")
-    ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange out")
+    ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange (and node sharding) out")
+    ap.add_argument("--results", type=Path, default=None,
+                    help=f"the benchmark JSONs the measured losses come from (default: ./{DEFAULT_RESULTS})")
     ap.add_argument("--json", help="write the plan here as JSON")
     return ap
 
@@ -110,8 +125,19 @@ def probe_model(a, shape):
     return model
 
 
+def results_folder(given: Path | None) -> Path:
+    """--results, or ./docs/results where it exists; a clear exit otherwise."""
+    folder = given if given is not None else DEFAULT_RESULTS
+    if not folder.is_dir():
+        raise SystemExit(f"no results folder at {folder.resolve()}: the planner's measured loss per sample comes "
+                         "from the benchmark JSONs of the repository's docs/results; run it from the repository's "
+                         "root or pass --results path/to/docs/results")
+    return folder
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    results = results_folder(a.results)
     shape = shape_from(a)
     layout = Layout(a.nodes, a.gpus_per_node)
     ws = WireSettings(compute_bytes=2 if a.compute_dtype == "bfloat16" else 4)
@@ -130,23 +156,27 @@ def main(argv=None) -> int:
         if a.samples_per_s <= 0:
             raise SystemExit("--cpu-testbed needs --samples-per-s (the compute-only pace per worker) or --measure")
         hw = cpu_testbed(a.inter_gbit * 1e9, a.samples_per_s)
+        if a.gpu_mem_gib:
+            hw = replace(hw, memory_bytes=a.gpu_mem_gib * 2**30)
     else:
-        hw = gpu(a.inter_gbit, a.intra_gbyte, a.tflops * 1e12, a.mfu, a.samples_per_s)
+        hw = gpu(a.inter_gbit, a.intra_gbyte, a.tflops * 1e12, a.mfu, a.samples_per_s,
+                 mem_gib=a.gpu_mem_gib or H100_MEM_GIB)
     if a.global_batch < layout.world:
         raise SystemExit(f"--global-batch {a.global_batch} gives some of the {layout.world} ranks no sample: "
                          "raise it to at least one sample per rank")
     if a.steps is not None and a.steps < 1:
         raise SystemExit(f"--steps {a.steps}: give the planned run's optimizer steps, at least 1")
     plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None,
-                     steps=a.steps)
+                     steps=a.steps, results=results, checkpointing=a.activation_checkpointing)
     if measured is not None and measured.rank != 0:
         return 0
     print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "
-          f"layers x {shape.hidden}, {shape.seq_len} tokens/sample; {layout.nodes} nodes x {layout.per_node} "
+          f"layers x {shape.hidden}, {shape.seq_len} tokens/sample; {layout.nodes} nodes x {layout.ranks_per_node} "
           f"ranks; node link {a.inter_gbit:g} Gbit/s, inside the node {a.intra_gbyte:g} GB/s; "
           + (f"compute {a.samples_per_s:.3g} samples/s per worker (measured)" if a.samples_per_s else
              f"compute {a.tflops:g} TFLOP/s x MFU {a.mfu:g}")
-          + f"; batch {a.global_batch} samples/step, micro-batch {a.micro_batch}, {a.compute_dtype}")
+          + f"; batch {a.global_batch} samples/step, micro-batch {a.micro_batch}, {a.compute_dtype}"
+          + (f"; {hw.memory_bytes / 2**30:.3g} GiB per GPU" if hw.memory_bytes else ""))
     if measured is not None:
         print("measured: " + measured.describe())
     print(format_plan(plan))
@@ -157,17 +187,19 @@ def main(argv=None) -> int:
                                           "intra_s": r.time.intra_s, "node_link_bytes": r.time.bytes.node_link,
                                           "rank_bytes": r.time.bytes.rank, "intra_rank_bytes": r.time.bytes.intra_rank,
                                           "memory_bytes": r.memory.total, "memory": asdict(r.memory),
+                                          "activation_bytes": r.activations, "checkpointing": r.checkpointing,
+                                          "fits": r.fits,
                                           "loss_vs_adamw_pct": r.quality.loss_vs_adamw_pct,
                                           "loss_sources": list(r.quality.sources),
                                           "samples_to_adamw_loss": r.factor.factor,
                                           "samples_sources": list(r.factor.sources),
                                           "to_loss_vs_ddp": r.to_loss_vs_ddp} for r in plan.rows],
-               "recommended": plan.choice.mode.name, "why": plan.why,
+               "recommended": plan.choice.mode.name if plan.choice else None, "why": plan.why,
                "soonest": plan.soonest.mode.name if plan.soonest else None, "why_soonest": plan.why_soonest,
                "measured": asdict(measured) if measured is not None else None}
         with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+            json.dump(out, f, indent=1, default=str)
+    return 0 if plan.choice is not None else 1
 
 
 if __name__ == "__main__":

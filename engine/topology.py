@@ -28,12 +28,18 @@ TOPOLOGIES = ("auto", "flat", "two_level")
 
 @dataclass(frozen=True)
 class Layout:
-    """M nodes x G ranks; this rank is ``local`` on ``node`` (rank = node * G + local)."""
+    """M nodes x G ranks; this rank is ``local`` on ``node`` (rank = node * G + local). The one
+    layout object: the engine's, the planner's and the benchmarks' (they leave node and local 0)."""
 
     nodes: int
-    ranks_per_node: int
-    node: int
-    local: int
+    ranks_per_node: int = 1
+    node: int = 0
+    local: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"a layout needs at least 1 node of at least 1 rank, got {self.nodes} x "
+                             f"{self.ranks_per_node}")
 
     @property
     def world(self) -> int:
@@ -61,7 +67,7 @@ def ranks_per_node(configured: int | None) -> int:
     return 1 if g is None else g
 
 
-def check_agreement(g: int, rank: int, world: int, device: torch.device) -> None:
+def check_node_layout(g: int, rank: int, world: int, device: torch.device) -> None:
     """Every rank must see the same G and sit where rank = node * G + local says; raise on every
     rank otherwise (one all_gather of four integers at start, before anything else can hang)."""
     local_env, node_env = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
@@ -97,8 +103,9 @@ def detect_layout(g: int, rank: int, world: int, topology: str) -> Layout:
     return Layout(nodes=world // g, ranks_per_node=g, node=rank // g, local=rank % g)
 
 
-def resolve(topology: str, layout: Layout) -> str:
-    """'flat' or 'two_level' for this layout; a clear error where two_level cannot apply."""
+def exchange_for(topology: str, layout: Layout) -> str:
+    """'flat' or 'two_level' for this layout; a clear error where two_level cannot apply. (The
+    model and config agreement of all ranks is engine/agreement.py's ``check_agreement``.)"""
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: choose one of {TOPOLOGIES}")
     two_level_fits = layout.nodes > 1 and layout.ranks_per_node > 1

@@ -22,6 +22,7 @@ from acco_loco.acco import RoundKind, RoundPlan
 from engine.loops.base import RoundLoop
 from engine.rounds import RoundContext, RoundRequest, RoundResult
 from engine.strategies.base import Strategy
+from engine.strategies.spec import ALIGN, MemorySpec, StrategySpec, padded, small_bytes
 from engine.strategies.zero1 import Zero1
 
 
@@ -53,9 +54,20 @@ class ToyLoop(RoundLoop):
         return False  # nothing is ever left in flight
 
 
+def toy_round_parts(numel: int, world: int, mode, ws) -> dict:
+    """One round's bytes per rank: a ring all-reduce of the fp32 gradient (2 (N-1)/N of it, which
+    crosses each node boundary as a ring all-gather does) and the small all-reduce of 3 + N values."""
+    summed = 2 * (world - 1) * padded(numel, world, ALIGN) * 4 // world
+    return {"all_to_all": 0, "all_gather": summed, "small": small_bytes(world, 3 + world)}
+
+
 class ToySyncSGD(Strategy):
     plan = RoundPlan("toy_sync_sgd", overlap=False, kinds=(RoundKind.COMMIT,))
     sections = ("toy",)  # its step size is the toy section's toy_factor
+
+    @classmethod
+    def spec(cls) -> StrategySpec:  # what python -m engine.plan reads: one round, every replica whole
+        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("replicated"), round_parts=toy_round_parts)
 
     @classmethod
     def check(cls, cfg) -> None:

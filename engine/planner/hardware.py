@@ -15,7 +15,7 @@ Two kinds of profile:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,17 @@ class Hardware:
     shard_opt_s_per_param: float = 0.0  # the owner's optimizer step per value of its shard
     codec_s_per_param: float = 0.0  # one codec pass (quantize + error feedback, or decode) per value
     onebit_s_per_param: float = 0.0  # a 1-bit Adam step's full-size work per value
-    outer_s_per_param: dict = field(default_factory=dict)  # local steps: an outer round's work per value
+    outer_sgd_s_per_param: float = 0.0  # local steps: an outer round with outer momentum SGD, per value
+    outer_topk_s_per_param: float = 0.0  # local steps: an outer round with error feedback + top-k, per value
     optimizer_s_per_param: float = 0.0  # a full-size AdamW step on the compute side (DDP, inner steps)
     transport_s_per_byte: float = 0.0  # CPU of the transport (gloo threads) per byte sent
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb: overlap starts after the first bucket
     compute_inflation: float = 0.0  # compute runs this much slower while a comm side shares its core
+    memory_bytes: float = 0.0  # one GPU's memory (0: not checked, the CPU testbed)
+
+    def work_s(self, work: dict) -> float:
+        """Seconds of comm-side work given as {cost attribute: values} (a strategy spec's ``work``)."""
+        return sum(getattr(self, cost) * values for cost, values in work.items())
 
     def compute_s(self, samples: float, flops_per_sample: float) -> float:
         """Seconds of forward + backward for ``samples`` sequences on one worker."""
@@ -67,30 +73,34 @@ def gbit(x: float) -> float:
 # H100 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction per GPU
 H100_BF16_FLOPS = 989e12
 H100_HBM_Bps = 3.35e12
+H100_MEM_GIB = 79.6  # an H100 80GB as nvidia-smi reports it: 81559 MiB
 
 
 def gpu(inter_gbit: float, intra_GBps: float = 450.0, flops: float = H100_BF16_FLOPS, mfu: float = 0.4,
-        samples_per_s: float = 0.0, hbm_Bps: float = H100_HBM_Bps, name: str = "H100") -> Hardware:
+        samples_per_s: float = 0.0, hbm_Bps: float = H100_HBM_Bps, name: str = "H100",
+        mem_gib: float = H100_MEM_GIB) -> Hardware:
     """A GPU node. The comm side's kernels are memory-bound at 70% of HBM bandwidth: a codec pass
     touches about 12 bytes per value (read the fp32/bf16 value and the int8 error, write the
     error and the packed code: the torchao fp8 quantizer reaches 79-87% of H100 peak, see
     /work/shared/FIELD.md); the shard's AdamW about 32 bytes per value (read g, m, v, master;
-    write m, v, master, the new parameter); 1-bit Adam's full-size step about 40."""
+    write m, v, master, the new parameter); 1-bit Adam's full-size step about 40; an outer round
+    with momentum SGD about 24, with error feedback and top-k about 48. ``mem_gib``: one GPU's
+    memory, GiB."""
     bw = 0.7 * hbm_Bps
     return Hardware(name=name, inter_Bps=gbit(inter_gbit), intra_Bps=intra_GBps * 1e9, flops=flops, mfu=mfu,
                     samples_per_s=samples_per_s, shares_core=False, link_efficiency=0.9, framing=1.0,
                     round_s_per_param=2 * 2 / bw, shard_opt_s_per_param=32 / bw, codec_s_per_param=12 / bw,
-                    onebit_s_per_param=40 / bw,
-                    outer_s_per_param={"diloco": 24 / bw, "sparseloco": 48 / bw}, optimizer_s_per_param=32 / bw,
-                    transport_s_per_byte=0.0)
+                    onebit_s_per_param=40 / bw, outer_sgd_s_per_param=24 / bw, outer_topk_s_per_param=48 / bw,
+                    optimizer_s_per_param=32 / bw, transport_s_per_byte=0.0, memory_bytes=mem_gib * 2**30)
 
 
 # Measured on the CPU testbed (docs/results, matched-batch JSONs; medians over rows; seconds):
-# see engine/planner/validate.py `measure_constants`, which recomputes every one of them.
+# see benchmarks/plan_validate.py `measure_constants`, which recomputes every one of them.
 TESTBED_CONSTANTS = {
-    "round_s_per_param": 3.55e-9,  # comm thread CPU of a zero1/dpu/acco round per padded value
+    "round_s_per_param": 3.55e-9,  # comm thread CPU of a sharded round per padded value
     "onebit_s_per_param": 14.5e-9,  # comm thread CPU of a 1-bit Adam step per value
-    "outer_s_per_param": {"diloco": 12e-9, "sparseloco": 26e-9},  # comm thread CPU per outer round
+    "outer_sgd_s_per_param": 12e-9,  # comm thread CPU per outer round: momentum SGD
+    "outer_topk_s_per_param": 26e-9,  # error feedback + top-k
     "optimizer_s_per_param": 4.5e-9,  # torch AdamW / the fused inner AdamW on the compute thread
     "transport_s_per_byte": {"slow": 10.6e-9, "fast": 1.28e-9},  # gloo threads, <= 100 Mbit/s | 1 Gbit/s
     "framing": {"slow": 1.052, "fast": 1.003},  # tx counter bytes / Comm's bytes
@@ -111,7 +121,8 @@ def cpu_testbed(rate_bps: float, samples_per_s: float, constants: dict | None = 
     return Hardware(name="cpu-testbed", inter_Bps=rate_bps / 8, samples_per_s=samples_per_s, shares_core=True,
                     link_efficiency=eff, framing=c["framing"][cls], round_s_per_param=c["round_s_per_param"],
                     codec_s_per_param=0.0,
-                    onebit_s_per_param=c["onebit_s_per_param"], outer_s_per_param=c["outer_s_per_param"],
+                    onebit_s_per_param=c["onebit_s_per_param"], outer_sgd_s_per_param=c["outer_sgd_s_per_param"],
+                    outer_topk_s_per_param=c["outer_topk_s_per_param"],
                     optimizer_s_per_param=c["optimizer_s_per_param"],
                     transport_s_per_byte=c["transport_s_per_byte"][cls], compute_inflation=c["compute_inflation"])
 

@@ -1,42 +1,71 @@
 """The candidates the planner compares, named as the engine's config spells them.
 
-A ``Mode`` is one (strategy, gradient codec, parameter codec, exchange) combination, or torch
-DDP (the reference, not an engine strategy). ``rounds`` and ``overlap`` come from the
-strategy's round plan (docs/DESIGN.md section 1.2); ``local_steps`` marks diloco/sparseloco."""
+A ``Mode`` is one (strategy, gradient codec, parameter codec, exchange, model sharding)
+combination, or torch DDP (the reference, not an engine strategy). Everything the planner knows
+of a strategy comes from its spec (``Strategy.spec()``, engine/strategies/spec.py): its rounds
+and overlap, its bytes, its work, its memory. ``candidates`` lists every registered strategy
+that has a spec, so a strategy registered later shows in the table with no edit here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.strategies import STRATEGIES, strategy_class
+from engine.strategies.spec import StrategySpec
+
+DDP = "torch-ddp"
+CODEC_VARIANTS = (("none", "auto"), ("loco4", "auto"), ("loco4", "int8"), ("loco4", "int4"))
+SHARDINGS = ("none", "node")
+
+
+def spec_of(strategy: str) -> StrategySpec:
+    spec = strategy_class(strategy).spec()
+    if spec is None:
+        raise ValueError(f"strategy {strategy!r} has no planning spec (its class's spec() returns None): "
+                         "the planner cannot price it")
+    return spec
+
 
 @dataclass(frozen=True)
 class Mode:
-    strategy: str  # torch-ddp | zero1 | dpu | acco | onebit_adam | diloco | sparseloco
+    strategy: str  # torch-ddp, or a registered strategy (engine/strategies STRATEGIES)
     codec: str = "none"  # gradient codec (engine cfg.codec)
     param_codec: str = "auto"  # engine cfg.param_codec: auto (compute dtype) | int8 | int4 | float32 | bfloat16
     exchange: str = "flat"  # flat | two-level (docs/DESIGN.md / issue 22: full precision inside the node)
     ddp_dtype: str = "float32"  # torch DDP's all-reduce dtype (bf16 = the bf16 compress hook)
-    inner_steps: int = 15  # diloco / sparseloco
-    outer_overlap: bool = False
+    inner_steps: int = 15  # local-step strategies: optimizer steps between rounds (H)
+    outer_overlap: bool = False  # local-step strategies: the round travels behind the next H steps
+    sharding: str = "none"  # model_sharding: none | node (FSDP2 over the node's ranks; two-level only)
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding {self.sharding!r}: choose one of {SHARDINGS}")
+        if self.sharding == "node" and self.exchange != "two-level":
+            raise ValueError("model sharding over the node runs the two-level exchange: set exchange='two-level'")
 
     @property
     def is_ddp(self) -> bool:
-        return self.strategy == "torch-ddp"
+        return self.strategy == DDP
+
+    @property
+    def spec(self) -> StrategySpec:
+        return spec_of(self.strategy)
 
     @property
     def local_steps(self) -> bool:
-        return self.strategy in ("diloco", "sparseloco")
+        return not self.is_ddp and self.spec.local_steps
 
     @property
     def rounds(self) -> int:
-        """Exchanges per optimizer step (acco: estimate + commit)."""
-        return 2 if self.strategy == "acco" else 1
+        """Exchanges per optimizer step."""
+        return 1 if self.is_ddp else self.spec.rounds
 
     @property
     def overlap(self) -> bool:
-        """Whether compute runs while the round is in flight (dpu, acco; local steps with
-        outer_overlap)."""
-        return self.strategy in ("dpu", "acco") or (self.local_steps and self.outer_overlap)
+        """Whether compute runs while the round is in flight (local steps: with outer_overlap)."""
+        if self.is_ddp:
+            return False
+        return self.spec.overlap or (self.spec.local_steps and self.outer_overlap)
 
     @property
     def name(self) -> str:
@@ -50,7 +79,8 @@ class Mode:
         if self.param_codec in ("int8", "int4"):
             parts.append(f"{self.param_codec}params")
         name = "+".join(parts)
-        return name + (" [2-level]" if self.exchange == "two-level" else "")
+        tags = (["2-level"] if self.exchange == "two-level" else []) + (["node-sharded"] if self.sharding == "node" else [])
+        return name + (f" [{', '.join(tags)}]" if tags else "")
 
     def engine_settings(self) -> dict:
         """The EngineConfig keywords that run this mode."""
@@ -59,25 +89,35 @@ class Mode:
         out = {"strategy": self.strategy, "codec": self.codec, "param_codec": self.param_codec}
         if self.local_steps:
             out.update(inner_steps=self.inner_steps, outer_overlap=self.outer_overlap)
+        if self.exchange == "two-level":
+            out.update(topology="two_level")
+        if self.sharding != "none":
+            out.update(model_sharding=self.sharding)
         return out
 
 
-def candidates(two_level: bool = True) -> list[Mode]:
-    """Every mode the planner predicts: torch DDP fp32 and bf16; zero1, dpu and acco with no
-    codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas; 1-bit Adam; diloco
-    and sparseloco (H = 15); the sharded ones flat and, with ``two_level``, two-level."""
-    out = [Mode("torch-ddp"), Mode("torch-ddp", ddp_dtype="bfloat16")]
-    sharded = []
-    for strategy in ("zero1", "dpu", "acco"):
-        sharded += [Mode(strategy), Mode(strategy, "loco4"), Mode(strategy, "loco4", "int8"),
-                    Mode(strategy, "loco4", "int4")]
-    sharded.append(Mode("onebit_adam"))
-    local = [Mode("diloco"), Mode("sparseloco")]
-    out += sharded + local
-    if two_level:
-        out += [replace(m, exchange="two-level") for m in sharded + local]
-    return out
+def candidates(two_level: bool = True, node_sharding: bool | None = None) -> list[Mode]:
+    """Every mode the planner predicts: torch DDP fp32 and bf16; every registered strategy with a
+    spec, with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas where its
+    spec takes codecs; flat and, with ``two_level``, two-level where it has that exchange; and
+    model-sharded over the node where it runs so (``node_sharding``, default: with two-level)."""
+    node_sharding = two_level if node_sharding is None else node_sharding
+    out, two, sharded = [Mode(DDP), Mode(DDP, ddp_dtype="bfloat16")], [], []
+    for strategy in STRATEGIES:
+        spec = strategy_class(strategy).spec()
+        if spec is None:
+            continue
+        variants = [Mode(strategy, c, p) for c, p in (CODEC_VARIANTS if spec.codec_variants else CODEC_VARIANTS[:1])]
+        out += variants
+        if two_level and spec.two_level:
+            two += [replace(m, exchange="two-level") for m in variants]
+            if node_sharding and spec.node_sharding:
+                sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
+    return out + two + sharded
 
 
-# what strategy="auto" may choose: the modes that keep synchronous AdamW's loss per sample
-AUTO_STRATEGIES = ("zero1", "dpu", "acco")
+def auto_strategies() -> tuple[str, ...]:
+    """What strategy="auto" may choose: the registered strategies whose update is AdamW's (or AdamW's
+    one step late) and that take codecs, never local steps."""
+    return tuple(s for s in STRATEGIES if (spec := strategy_class(s).spec()) is not None
+                 and spec.adamw_class and not spec.local_steps)

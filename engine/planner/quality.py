@@ -6,8 +6,10 @@ against torch DDP's (AdamW, the same lr sweep and data order), median over the s
 4.87M-parameter GPT-2 on byte-level Shakespeare, 2 or 3 workers, 768-3072 samples (a few hundred
 steps at most), 1-3 seeds; runs of one mode differ by a few tenths of a percent between seeds.
 They say whether a mode keeps AdamW's loss per sample at that scale, not what it does at 1B-70B.
-zero1 is AdamW itself (the same update, float32 summation order aside); dpu has no matched-batch
-measurement (its one-step-stale update is not AdamW's).
+The synchronous sharded round is AdamW itself (the same update, float32 summation order aside);
+the delayed update has no matched-batch measurement (its one-step-stale update is not AdamW's).
+The figures come from the folder the caller names (``python -m engine.plan --results``, by default
+./docs/results), never from the source tree: an installed engine has none.
 
 ``samples_factor`` turns the same runs into what a user pays for: the samples a mode needs to
 reach AdamW's loss, over AdamW's own (docs/DESIGN.md section 12.8). Per seed, against that
@@ -23,9 +25,9 @@ import json
 import statistics
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from .modes import Mode
-from .validate import RESULTS
 
 QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json",
                  "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
@@ -43,9 +45,12 @@ class Quality:
 
 
 @lru_cache(maxsize=None)  # a plan reads every file once per mode; the JSONs do not change under a process
-def results_doc(name: str) -> dict | None:
-    """A benchmark JSON of docs/results, parsed (None when the file is not there). Read-only."""
-    path = RESULTS / name
+def results_doc(results: Path | None, name: str) -> dict | None:
+    """A benchmark JSON of the ``results`` folder (the repository's docs/results), parsed; None
+    when there is no folder or no such file. Read-only."""
+    if results is None:
+        return None
+    path = Path(results) / name
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -59,23 +64,33 @@ def scored_like_ddp(doc: dict, row: dict) -> bool:
 
 
 def bench_name(mode: Mode) -> str | None:
-    """The benchmark's name for the measured counterpart of ``mode`` (the exchange does not change
-    the update up to where the compression applies; two-level has no measurement yet)."""
+    """The benchmark's name for the measured counterpart of ``mode`` (benchmarks/modes.py spells
+    the strategy with dashes; the exchange and model sharding do not change the update up to
+    where the compression applies, and have no measurement of their own yet)."""
     if mode.is_ddp:
         return "torch-ddp"
-    if mode.strategy == "onebit_adam":
-        return "onebit-adam"
+    name = mode.strategy.replace("_", "-")
     if mode.local_steps:
-        return f"{mode.strategy}-h{mode.inner_steps}" + ("+overlap" if mode.outer_overlap else "")
-    name = mode.strategy + ("" if mode.codec == "none" else f"+{mode.codec}")
+        return f"{name}-h{mode.inner_steps}" + ("+overlap" if mode.outer_overlap else "")
+    name += "" if mode.codec == "none" else f"+{mode.codec}"
     return name + (f"+{mode.param_codec}params" if mode.param_codec in ("int8", "int4") else "")
 
 
-def quality(mode: Mode, files=QUALITY_FILES) -> Quality:
+def proxy_of(mode: Mode) -> Mode | None:
+    """The measured mode whose loss stands in for ``mode``'s: its spec's ``quality_proxy`` (the
+    same codecs and error feedback, or a subset of them: int8 deltas and full-precision parameters
+    lose less than int4 deltas) for a codec variant of a strategy that names one."""
+    proxy = None if mode.is_ddp else mode.spec.quality_proxy
+    if proxy is None or (mode.codec, mode.param_codec) == ("none", "auto") or mode.codec not in ("none", proxy[1]):
+        return None
+    return Mode(*proxy, exchange=mode.exchange, sharding=mode.sharding)
+
+
+def quality(mode: Mode, results: Path | None = None, files=QUALITY_FILES) -> Quality:
     name = bench_name(mode)
     found, sources, seen = [], [], set()
     for f in files:
-        doc = results_doc(f)
+        doc = results_doc(results, f)
         if doc is None:
             continue
         for o in doc["modes"]:
@@ -93,15 +108,14 @@ def quality(mode: Mode, files=QUALITY_FILES) -> Quality:
         return Quality(statistics.median(found), tuple(sources))
     if mode.is_ddp:  # a bf16 all-reduce of the gradients: AdamW with bf16-rounded gradients
         return Quality(None, (), "bf16 gradient all-reduce: not measured here")
-    if mode.strategy in ("zero1", "acco") and (mode.codec, mode.param_codec) != ("none", "auto"):
-        # the same codecs and error feedback as the measured acco+loco4+int4params, or a subset of
-        # them (int8 deltas and full-precision parameters lose less than int4 deltas)
-        base = quality(Mode("acco", "loco4", "int4"), files)
-        if base.loss_vs_adamw_pct is not None and mode.codec in ("none", "loco4"):
+    proxy = proxy_of(mode)
+    if proxy is not None and proxy != mode:
+        base = quality(proxy, results, files)
+        if base.loss_vs_adamw_pct is not None:
             return Quality(base.loss_vs_adamw_pct, base.sources,
-                           "inferred from acco+loco4+int4params (the same or fewer lossy codecs)")
-    if mode.strategy == "dpu":
-        return Quality(None, (), "not measured at a matched batch (a one-step-stale update, not AdamW's)")
+                           f"inferred from {bench_name(proxy)} (the same or fewer lossy codecs)")
+    if results is None:
+        return Quality(None, (), "no results folder given (--results)")
     return Quality(None, (), "not measured at a matched batch")
 
 
@@ -144,25 +158,27 @@ def run_factor(run: dict, ddp_run: dict) -> tuple[float, str] | None:
     return None
 
 
-def samples_factor(mode: Mode, files=QUALITY_FILES, steps: int | None = None) -> SampleFactor:
+def samples_factor(mode: Mode, results: Path | None = None, files=QUALITY_FILES,
+                   steps: int | None = None) -> SampleFactor:
     """The median factor over the runs; with ``steps`` (the planned run's optimizer steps) only
     over runs whose DDP reference took between 2/3 and 3/2 of that many (all of them when none
-    did): a one-step delay costs a 96-step run more than a 192-step one (ACCO: 1.23 against 0.98)."""
+    did): a one-step delay costs a 96-step run more than a 192-step one (1.23 against 0.98 for
+    the two-round overlapped strategy)."""
     if steps is not None:
-        near = _samples_factor(mode, files, steps)
+        near = _samples_factor(mode, results, files, steps)
         if near.factor is not None:
             return near
-    return _samples_factor(mode, files, None)
+    return _samples_factor(mode, results, files, None)
 
 
 @lru_cache(maxsize=None)  # a plan asks for every mode; the JSONs do not change under a process
-def _samples_factor(mode: Mode, files, within: int | None) -> SampleFactor:
+def _samples_factor(mode: Mode, results: Path | None, files, within: int | None) -> SampleFactor:
     name = bench_name(mode)
     if mode.is_ddp:  # fp32 DDP is AdamW; the bf16 all-reduce was never measured here
         return SampleFactor(1.0, 0, ("AdamW",)) if mode.ddp_dtype == "float32" else SampleFactor(None, 0, ())
     xs, sources, warm, seen = [], [], [], set()
     for f in files:
-        doc = results_doc(f)
+        doc = results_doc(results, f)
         if doc is None:
             continue
         rows = {o["mode"]: o for o in doc["modes"]}
@@ -186,12 +202,11 @@ def _samples_factor(mode: Mode, files, within: int | None) -> SampleFactor:
             if frozen:
                 ddp_steps = first_crossing(ddp_runs[r["seed"]]["evals"], ddp_runs[r["seed"]]["final_loss"], "step")
                 warm.append(frozen / ddp_steps)
-    base_mode = Mode("acco", "loco4", "int4", exchange=mode.exchange)
-    if not xs and mode.strategy in ("zero1", "acco") and mode.codec in ("none", "loco4") and files == QUALITY_FILES \
-            and (mode.codec, mode.param_codec) != ("none", "auto") and mode != base_mode:
-        # as quality(): the measured acco+loco4+int4params has the same or more lossy codecs
-        base = _samples_factor(base_mode, files, within)
-        return SampleFactor(base.factor, base.runs, base.sources + ("inferred from acco+loco4+int4params",))
+    proxy = proxy_of(mode)
+    if not xs and proxy is not None and files == QUALITY_FILES and mode != proxy:
+        # as quality(): the measured proxy has the same or more lossy codecs
+        base = _samples_factor(proxy, results, files, within)
+        return SampleFactor(base.factor, base.runs, base.sources + (f"inferred from {bench_name(proxy)}",))
     if not xs:
         return SampleFactor(None, 0, (), None)
     return SampleFactor(statistics.median(xs), len(xs), tuple(sources), statistics.median(warm) if warm else None)

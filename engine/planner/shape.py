@@ -29,14 +29,16 @@ class ModelShape:
     def trainable(self) -> int:
         return max(1, round(self.params * self.trainable_fraction))
 
-    def flops_per_sample(self) -> float:
+    def flops_per_sample(self, recompute: bool = False) -> float:
         """Forward + backward FLOPs of one sequence: 2 P per token forward, 2 P backward for the
         activations' gradients, 2 P_trainable for the weights' (Kaplan et al. 2020's 6 P with
-        frozen weights left out), plus attention's 12 L h T per token (forward + backward)."""
+        frozen weights left out), plus attention's 12 L h T per token (forward + backward: 4 + 8).
+        ``recompute``: activation checkpointing runs the forward once more in the backward."""
         t = self.seq_len
         dense = (4 * self.params + 2 * self.trainable) * t
         attention = 12 * self.layers * self.hidden * t * t
-        return float(dense + attention)
+        forward = (2 * self.params + 4 * self.layers * self.hidden * t) * t if recompute else 0
+        return float(dense + attention + forward)
 
 
 def from_shape(layers: int, hidden: int, vocab: int, params: int | None = None, seq_len: int = 2048,

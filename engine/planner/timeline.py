@@ -8,12 +8,16 @@ testbed), ``shared`` the CPU it takes from compute:
 
     torch DDP     T_c + opt + max(0, A - overlappable)      A = all-reduce time; its buckets overlap
                                                             the last micro-batch's backward after the first bucket
-    zero1, 1-bit  T_c + R round                             nothing overlaps
-    dpu           max(T_c + shared, round)                  the round of step t runs during step t+1's compute
-    acco          2 max(T_c / 2 + shared, round)            each round hides behind half the step's compute
-    diloco/sparseloco: an inner step T_c + opt (two-level: + the node's zero1 round at full
-                  precision), plus the outer round / H; with outer_overlap the outer round runs
-                  behind the next H inner steps and only what exceeds them is exposed.
+    no overlap    T_c + R round                             the R rounds of a step follow compute
+    overlap       R max(T_c / R + shared, round)            each round hides behind 1/R of the step's compute
+                                                            (R = 1: the round of step t runs during step t+1's)
+    local steps   an inner step T_c + opt (two-level: + the node's sharded round at full precision),
+                  plus the outer round / H; with outer_overlap the outer round runs behind the
+                  next H inner steps and only what exceeds them is exposed.
+
+R and the overlap are the strategy's round plan, the round's work its spec's (engine/strategies/spec.py).
+With the model sharded over the node, FSDP2's per-micro-batch collectives inside the node run
+behind compute (only what exceeds it counts) and the round has no intra-node part of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .wire import ALIGN, Layout, StepBytes, WireSettings, padded, step_bytes
 class Batch:
     global_samples: int  # B per optimizer step (local steps: per inner step, all replicas together)
     micro_batch: int  # samples per micro-batch per worker
+    checkpointing: bool = False  # activation checkpointing: the forward runs again in the backward
 
     def micro_batches_per_worker(self, world: int) -> float:
         return max(1.0, self.global_samples / (world * self.micro_batch))
@@ -51,8 +56,9 @@ class StepTime:
         return self.compute_s / self.step_s if self.step_s else 0.0
 
 
-def _compute(hw: Hardware, shape: ModelShape, samples: float) -> float:
-    return hw.compute_s(samples, shape.flops_per_sample())
+def _compute(hw: Hardware, shape: ModelShape, samples: float, recompute: bool = False) -> float:
+    plain = hw.compute_s(samples, shape.flops_per_sample())
+    return plain * shape.flops_per_sample(True) / shape.flops_per_sample() if recompute else plain
 
 
 def step_time(mode: Mode, shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch,
@@ -62,48 +68,49 @@ def step_time(mode: Mode, shape: ModelShape, layout: Layout, hw: Hardware, batch
     worker) models heterogeneous workers: with ``balance='speed'`` the step's samples are shared
     in proportion (every worker finishes together), with 'equal' the slowest sets the pace."""
     ws = ws or WireSettings()
-    n, g = layout.world, layout.per_node
+    n, g = layout.world, layout.ranks_per_node
     numel = shape.trainable
     b = step_bytes(numel, layout, mode, ws, ddp_numel=shape.trainable)
-    t_c = _compute(hw, shape, batch.global_samples / n)
+    t_c = _compute(hw, shape, batch.global_samples / n, batch.checkpointing)
     if worker_speeds:
         mean = sum(worker_speeds) / len(worker_speeds)
         # speed shares need micro-batches to move: with one per worker per round (G_r <= N) every
         # worker runs one and the slowest sets the pace, as under equal shares
-        per_round = batch.global_samples / batch.micro_batch / (1 if mode.is_ddp else mode.rounds)
+        per_round = batch.global_samples / batch.micro_batch / mode.rounds
         if balance == "equal" or mode.is_ddp or per_round <= n:
             t_c = t_c * mean / min(worker_speeds)
     t_c_eff = t_c * (1 + hw.compute_inflation)
+    if mode.sharding == "node":  # FSDP2's gathers and reduce-scatters behind compute, per micro-batch
+        t_c_eff = max(t_c_eff, fsdp_intra_s(shape, layout, hw, batch, ws))
     transport = hw.transport_s_per_byte * b.rank
     if mode.is_ddp:
         return _ddp(mode, shape, layout, hw, batch, b, t_c, t_c_eff, transport)
     if mode.local_steps:
-        return _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport, ws)
-    # sharded rounds: work per round
+        return _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport)
     two_level = mode.exchange == "two-level" and g > 1
     world = layout.nodes if two_level else n
     slice_ = -(-numel // g) if two_level else numel
-    p = padded(slice_, world, ALIGN)
-    shard = p / world
-    if mode.strategy == "onebit_adam":
-        work = hw.onebit_s_per_param * numel + hw.codec_s_per_param * 2 * slice_
-    else:
-        codec_passes = (2 if mode.codec != "none" else 0)  # encode + error feedback, decode + sum
-        work = (hw.round_s_per_param * numel + hw.shard_opt_s_per_param * shard
-                + hw.codec_s_per_param * codec_passes * slice_
-                + (hw.codec_s_per_param * (shard + numel) if mode.param_codec in ("int8", "int4") else 0.0))
+    shard = padded(slice_, world, ALIGN) / world
+    work = hw.work_s(mode.spec.work(numel, slice_, shard, mode))
     inter = hw.wire_s(b.round_node_link)
-    intra = hw.intra_s(b.round_intra_rank)
+    intra = hw.intra_s(b.round_intra_rank) if mode.sharding == "none" else 0.0  # sharded: FSDP2 did it
     rounds = b.rounds
     round_s = work + inter + intra
     shared = (work + transport / rounds) if hw.shares_core else 0.0
-    if mode.strategy == "acco":
-        step = 2 * max(t_c_eff / 2 + shared, round_s)
-    elif mode.strategy == "dpu":
-        step = max(t_c_eff + shared, round_s)
-    else:  # zero1, onebit_adam: the round follows compute
+    if mode.overlap:  # each round hides behind 1/rounds of the step's compute
+        step = rounds * max(t_c_eff / rounds + shared, round_s)
+    else:  # the rounds follow compute
         step = t_c_eff + rounds * round_s
     return StepTime(mode, step, t_c, rounds * work + transport, rounds * inter, rounds * intra, step - t_c, b)
+
+
+def fsdp_intra_s(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings) -> float:
+    """FSDP2 inside the node, per step: every micro-batch gathers the parameters for the forward
+    and again for the backward (reshard_after_forward) and reduce-scatters the gradients, each
+    (G-1)/G of the model at the compute dtype per rank."""
+    g = layout.ranks_per_node
+    per_mb = 3 * (g - 1) / g * shape.params * ws.compute_bytes
+    return batch.micro_batches_per_worker(layout.world) * hw.intra_s(per_mb) if g > 1 else 0.0
 
 
 def _ddp(mode, shape, layout, hw, batch, b, t_c, t_c_eff, transport) -> StepTime:
@@ -120,10 +127,10 @@ def _ddp(mode, shape, layout, hw, batch, b, t_c, t_c_eff, transport) -> StepTime
     return StepTime(mode, step, t_c, opt + transport, inter, intra, step - t_c, b)
 
 
-def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport, ws) -> StepTime:
-    g, h = layout.per_node, mode.inner_steps
+def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport) -> StepTime:
+    g, h = layout.ranks_per_node, mode.inner_steps
     two_level = mode.exchange == "two-level" and g > 1
-    if two_level:  # the node's ranks take each inner step together: a zero1 round at full precision
+    if two_level:  # the node's ranks take each inner step together: a sharded round at full precision
         shard = padded(numel, g, ALIGN) / g
         inner_work = hw.round_s_per_param * numel + hw.shard_opt_s_per_param * shard
         inner = t_c_eff + inner_work + hw.intra_s(b.round_intra_rank)
@@ -131,7 +138,7 @@ def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport, ws) -> StepTime:
         inner_work = hw.optimizer_s_per_param * numel
         inner = t_c_eff + inner_work
     slice_ = -(-numel // g) if two_level else numel
-    outer_work = hw.outer_s_per_param.get(mode.strategy, 0.0) * slice_ + transport * h
+    outer_work = getattr(hw, mode.spec.outer_cost) * slice_ + transport * h
     outer = outer_work + hw.wire_s(b.round_node_link)
     if mode.outer_overlap:
         shared = outer_work if hw.shares_core else 0.0

@@ -23,6 +23,8 @@ from .sharded import RoundTotals, ShardedStrategy
 class Acco(ShardedStrategy):
     plan = PLANS["acco"]
     sections = ("acco",)
+    kept_shards = 1  # the reduced estimate half, until its commit round
+    quality_proxy = ("acco", "loco4", "int4")  # measured; its other codec variants lose as much or less
 
     def __init__(self) -> None:
         self.kept: KeptHalf | None = None  # the reduced estimate half, until its commit round

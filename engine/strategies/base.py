@@ -25,6 +25,12 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
+    def spec(cls):
+        """What the planner needs to know (engine/strategies/spec.py ``StrategySpec``); None: the
+        planner leaves the strategy out of its table."""
+        return None
+
+    @classmethod
     def check(cls, cfg) -> None:
         """Refuse a configuration this strategy cannot honour (called when the engine is built)."""
 

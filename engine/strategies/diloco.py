@@ -35,13 +35,21 @@ from acco_loco.outer import outer_sgd_spec, outer_sgd_step
 
 from ..rounds import RoundContext
 from .local_steps import LocalStepStrategy
+from .spec import ALIGN, padded, small_bytes
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def spec_round_parts(numel: int, world: int, mode, ws) -> dict:
+    """round_bytes below, by collective, for the planner (ws.pseudo_grad_bytes on the wire)."""
+    half = (world - 1) * (padded(numel, world, ALIGN) // world) * ws.pseudo_grad_bytes
+    return {"all_to_all": half, "all_gather": half, "small": small_bytes(world, 2 + 4 * world)}
 
 
 class DiLoCo(LocalStepStrategy):
     name = "diloco"
     sections = ("outer", "diloco")  # shared local-step settings, and its own (diloco_config.py)
+    outer_cost, outer_round_parts = "outer_sgd_s_per_param", staticmethod(spec_round_parts)
 
     def setup_outer(self, ctx: RoundContext) -> None:
         cfg = ctx.cfg

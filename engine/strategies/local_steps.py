@@ -35,6 +35,7 @@ from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundRe
 from ..two_level import slice_of
 from .base import Strategy
 from .node_replica import NodeReplica, inner_totals
+from .spec import MemorySpec, StrategySpec
 
 
 def device_side(t: torch.Tensor) -> bool:
@@ -108,6 +109,14 @@ class LocalStepStrategy(Strategy):
     @classmethod
     def from_config(cls, cfg) -> "LocalStepStrategy":
         return cls(cfg)
+
+    outer_cost = ""  # the planner's Hardware cost attribute of an outer round, per value
+    outer_round_parts = None  # (numel, world, mode, ws) -> one outer round's bytes per rank, by collective
+
+    @classmethod
+    def spec(cls) -> StrategySpec:
+        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("local"), round_parts=cls.outer_round_parts,
+                            two_level=cls.two_level, local_steps=True, outer_cost=cls.outer_cost)
 
     @classmethod
     def check(cls, cfg) -> None:

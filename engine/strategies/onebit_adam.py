@@ -43,6 +43,8 @@ from ..host import nonfinite_flag, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
 from ..two_level import TwoLevelGrads, gather_slices, slice_of
 from .sharded import ShardedStrategy, agree
+from .spec import ALIGN, MemorySpec, StrategySpec, small_bytes
+from .spec import padded as padded_to
 
 
 def _nodes_of(ctx: RoundContext) -> TwoLevelGrads | None:
@@ -88,6 +90,13 @@ class OnebitAdam(ShardedStrategy):
     @classmethod
     def from_config(cls, cfg) -> "OnebitAdam":
         return cls(cfg)
+
+    @classmethod
+    def spec(cls) -> StrategySpec:  # after the warmup; the warmup runs zero1's rounds
+        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("whole"), round_parts=_spec_parts,
+                            work=lambda numel, slice_, shard, mode: {"onebit_s_per_param": numel,
+                                                                     "codec_s_per_param": 2 * slice_},
+                            two_level=True, warmup_as="zero1")
 
     @classmethod
     def codec_groups(cls, cfg) -> list[int]:
@@ -275,9 +284,18 @@ class OnebitAdam(ShardedStrategy):
         self._bind_shard(ctx, meta["opt_step"])
 
 
-def compressed_step_bytes(padded: int, world: int, group_size: int = 128, scale_dtype: str = "float32") -> int:
-    """What one worker sends in one step of the compressed stage (Comm's count): the all-to-all
-    and the all-gather of sign1 rows (S/8 payload bytes + S/g scales each, S = padded / world),
-    and the small all-reduce of 4 + 3N float64 values."""
+def compressed_step_parts(padded: int, world: int, group_size: int = 128, scale_dtype: str = "float32") -> dict:
+    """What one worker sends in one step of the compressed stage (Comm's count), by collective:
+    the all-to-all and the all-gather of sign1 rows (S/8 payload bytes + S/g scales each, S =
+    padded / world), and the small all-reduce of 4 + 3N float64 values."""
     row = WIRE_CODECS["sign1"](group_size, scale_dtype).wire_bytes(padded // world)
-    return 2 * (world - 1) * row + 2 * (world - 1) * (4 + 3 * world) * 8 // world
+    return {"all_to_all": (world - 1) * row, "all_gather": (world - 1) * row, "small": small_bytes(world, 4 + 3 * world)}
+
+
+def compressed_step_bytes(padded: int, world: int, group_size: int = 128, scale_dtype: str = "float32") -> int:
+    return sum(compressed_step_parts(padded, world, group_size, scale_dtype).values())
+
+
+def _spec_parts(numel: int, world: int, mode, ws) -> dict:
+    return compressed_step_parts(padded_to(numel, world, math.lcm(ALIGN, ws.group_size)), world, ws.group_size,
+                                 ws.scale_dtype)

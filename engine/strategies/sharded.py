@@ -41,6 +41,7 @@ from acco_loco.schedule import lr_at
 from ..host import nonfinite_flag, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from .base import Strategy
+from .spec import MemorySpec, StrategySpec, sharded_round_parts, sharded_work
 
 
 @dataclass
@@ -63,6 +64,15 @@ class RoundTotals:
 
 class ShardedStrategy(Strategy):
     two_level = True  # its reducer and gatherer take the node's level first (engine/two_level.py)
+    kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
+    quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
+
+    @classmethod
+    def spec(cls) -> StrategySpec:
+        return StrategySpec(rounds=len(cls.plan.kinds), overlap=cls.plan.overlap,
+                            memory=MemorySpec("sharded", cls.kept_shards), round_parts=sharded_round_parts,
+                            work=sharded_work, adamw_class=True, codec_variants=True, two_level=cls.two_level,
+                            node_sharding=True, quality_proxy=cls.quality_proxy)
 
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         """A reduced half from an earlier round that this round's step adds (none here)."""

@@ -39,6 +39,7 @@ from acco_loco.topk_codec import TopKCodec, aggregate
 
 from ..rounds import RoundContext
 from .local_steps import LocalStepStrategy
+from .spec import ALIGN, padded, small_bytes
 
 
 def make_codec(cfg, shapes=None, numel: int | None = None) -> TopKCodec | TiledTopK:
@@ -50,9 +51,17 @@ def make_codec(cfg, shapes=None, numel: int | None = None) -> TopKCodec | TiledT
     return PSEUDO_GRAD_CODECS["topk"](cfg.topk_chunk, cfg.topk_density, cfg.topk_value_bits)
 
 
+def spec_round_parts(numel: int, world: int, mode, ws) -> dict:
+    """round_bytes below, by collective, for the planner (ws.topk_* the codec's settings)."""
+    payload = PSEUDO_GRAD_CODECS["topk"](ws.topk_chunk, ws.topk_density, ws.topk_bits).payload_bytes(
+        padded(numel, world, ALIGN))
+    return {"all_to_all": 0, "all_gather": (world - 1) * payload, "small": small_bytes(world, 2 + 4 * world)}
+
+
 class SparseLoCo(LocalStepStrategy):
     name = "sparseloco"
     sections = ("outer", "sparseloco")  # shared local-step settings, and its own (sparseloco_config.py)
+    outer_cost, outer_round_parts = "outer_topk_s_per_param", staticmethod(spec_round_parts)
 
     @classmethod
     def check(cls, cfg) -> None:

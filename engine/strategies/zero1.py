@@ -7,3 +7,4 @@ from .sharded import ShardedStrategy
 
 class Zero1(ShardedStrategy):
     plan = PLANS["zero1"]
+    quality_proxy = ("acco", "loco4", "int4")  # the same codecs and error feedback, or a subset of them

@@ -1,6 +1,6 @@
 """The planner (engine/planner, `python -m engine.plan`): its byte counts against the engine's own
-counters and the benchmark JSONs, its step times against the testbed's measurements, memory,
-the recommendation and the command line."""
+counters and the benchmark JSONs, its step times against the testbed's measurements
+(benchmarks/plan_validate.py), memory, the recommendation and the command line."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import pytest
 import torch
 
 import benchmarks.node_bytes as nb
-
+from benchmarks import plan_validate as validate
+from benchmarks.plan_validate import RESULTS
 from engine import Engine, EngineConfig
 from engine.local_group import spawn
-from engine.planner import validate
 from engine.planner.hardware import TESTBED_CONSTANTS, cpu_testbed, gpu
 from engine.planner.memory import memory_per_gpu
 from engine.planner.modes import Mode
-from engine.planner.plan import make_plan
+from engine.planner.recommend import make_plan
 from engine.planner.shape import PRESETS, from_shape, from_transformers
 from engine.planner.timeline import Batch, step_time
-from engine.planner.wire import Layout, WireSettings, step_bytes
+from engine.planner.wire import WireSettings, step_bytes
+from engine.topology import Layout
 from tests.tiny import mse_loss, worker_stream
 
 
@@ -144,12 +145,13 @@ def test_shape_from_a_transformers_config_counts_exactly():
 def test_recommendation_keeps_adamw_and_follows_the_link():
     shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
     batch = Batch(16, 4)
-    slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings())
+    slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS)
     assert slow.choice.mode.strategy in ("zero1", "dpu", "acco", "torch-ddp")
     assert not slow.choice.mode.local_steps
     assert slow.choice.mode.codec != "none"  # at 20 Mbit/s the wire decides
     # on an H100 pair with 400 Gbit/s between them, nothing is worth a lossy codec
-    fast = make_plan(PRESETS["1b"], Layout(2, 1), gpu(400), Batch(64, 4), WireSettings(compute_bytes=2))
+    fast = make_plan(PRESETS["1b"], Layout(2, 1), gpu(400), Batch(64, 4), WireSettings(compute_bytes=2),
+                     results=RESULTS)
     assert fast.choice.mode.codec == "none" and fast.choice.mode.param_codec == "auto", fast.why
     assert fast.choice.time.step_s <= min(r.time.step_s for r in fast.rows if r.adamw_class) * 1.03
 
@@ -188,7 +190,8 @@ def _probe_and_plan(rank, world):
     shape = from_shape(2, 16, 3, params=6 * 16 + 16 + 16 * 3 + 3, seq_len=1)
     measured = probe_cluster(shape, micro_batch=4, model=tiny_model(), payload=2**20, repeats=2)
     plan = make_plan(shape, Layout(measured.nodes, measured.per_node),
-                     cpu_testbed(measured.inter_Bps * 8, measured.samples_per_s), Batch(16, 4), WireSettings())
+                     cpu_testbed(measured.inter_Bps * 8, measured.samples_per_s), Batch(16, 4), WireSettings(),
+                     results=RESULTS)
     return measured, plan.choice.mode.name, plan.choice.time.step_s
 
 
@@ -222,11 +225,13 @@ def test_cli_reads_a_transformers_config_folder(tmp_path, capsys):
 def test_loss_per_sample_comes_from_the_measured_tables():
     from engine.planner.quality import quality
 
-    acco = quality(Mode("acco", "loco4", "int4"))
+    acco = quality(Mode("acco", "loco4", "int4"), RESULTS)
     assert acco.sources and -1.0 < acco.loss_vs_adamw_pct < 1.5  # the README's matched-batch rows
-    assert quality(Mode("sparseloco")).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
-    assert quality(Mode("zero1", "loco4", "int8")).note.startswith("inferred")
-    assert quality(Mode("dpu")).loss_vs_adamw_pct is None
+    assert quality(Mode("sparseloco"), RESULTS).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
+    assert quality(Mode("zero1", "loco4", "int8"), RESULTS).note.startswith("inferred")
+    assert quality(Mode("dpu"), RESULTS).loss_vs_adamw_pct is None
+    # no results folder: nothing measured, and it says so (the planner never finds one by itself)
+    assert quality(Mode("acco", "loco4", "int4")).loss_vs_adamw_pct is None
 
 
 def _curve(samples_per_eval, losses, s_per_sample=1.0):
@@ -252,29 +257,29 @@ def test_samples_to_adamw_loss_per_run():
 def test_samples_factor_comes_from_the_measured_runs():
     from engine.planner.quality import samples_factor
 
-    assert samples_factor(Mode("torch-ddp")).factor == 1.0
-    assert samples_factor(Mode("torch-ddp", ddp_dtype="bfloat16")).factor is None  # never measured
-    acco = samples_factor(Mode("acco", "loco4", "int4"))
+    assert samples_factor(Mode("torch-ddp"), RESULTS).factor == 1.0
+    assert samples_factor(Mode("torch-ddp", ddp_dtype="bfloat16"), RESULTS).factor is None  # never measured
+    acco = samples_factor(Mode("acco", "loco4", "int4"), RESULTS)
     assert acco.runs >= 4 and 0.6 < acco.factor < 1.4, acco.sources  # near AdamW's curve
-    assert samples_factor(Mode("zero1")).factor == pytest.approx(1.0, abs=0.02)
-    sparse = samples_factor(Mode("sparseloco"))
+    assert samples_factor(Mode("zero1"), RESULTS).factor == pytest.approx(1.0, abs=0.02)
+    sparse = samples_factor(Mode("sparseloco"), RESULTS)
     assert sparse.runs >= 3 and 1.7 < sparse.factor < 2.4  # twice AdamW's samples at H = 15
-    onebit = samples_factor(Mode("onebit_adam"))
+    onebit = samples_factor(Mode("onebit_adam"), RESULTS)
     assert onebit.factor is not None and 0 < onebit.warmup_fraction < 0.5
-    assert samples_factor(Mode("dpu")).factor is None
+    assert samples_factor(Mode("dpu"), RESULTS).factor is None
 
 
 def test_samples_factor_of_the_runs_nearest_the_planned_length():
     from engine.planner.quality import samples_factor
 
     acco = Mode("acco", "loco4", "int4")
-    short = samples_factor(acco, steps=96)
+    short = samples_factor(acco, RESULTS, steps=96)
     # from the 96-step runs only (1536 samples of 16), not the 48-step (B = 64) or 32-step ones
     assert short.runs >= 2 and not any("b64" in src or "b96" in src for src in short.sources), short.sources
     # no run near 5000 steps: every run
-    assert samples_factor(acco, steps=5000) == samples_factor(acco)
+    assert samples_factor(acco, RESULTS, steps=5000) == samples_factor(acco, RESULTS)
     # plain zero1 is AdamW itself at any length: never inferred from ACCO's codecs
-    assert samples_factor(Mode("zero1"), steps=96).factor == pytest.approx(1.0, abs=0.02)
+    assert samples_factor(Mode("zero1"), RESULTS, steps=96).factor == pytest.approx(1.0, abs=0.02)
 
 
 def test_rows_scored_on_another_held_out_set_are_left_out():
@@ -287,7 +292,7 @@ def test_rows_scored_on_another_held_out_set_are_left_out():
 
 
 def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
-    from engine.planner.plan import time_to_loss
+    from engine.planner.recommend import time_to_loss
     from engine.planner.quality import SampleFactor
 
     assert time_to_loss(2.0, SampleFactor(1.5, 3, ())) == pytest.approx(3.0)
@@ -298,7 +303,7 @@ def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
 def _testbed_plan(gbit):
     shape = validate.gpt2_shape({"n_layer": 6, "n_embd": 256, "seq_len": 128})
     return make_plan(shape, Layout(2, 1), cpu_testbed(gbit * 1e9, 25.0), Batch(16, 8),
-                     WireSettings(compute_bytes=4), modes=None)
+                     WireSettings(compute_bytes=4), modes=None, results=RESULTS)
 
 
 def test_soonest_to_adamw_loss_weighs_step_time_against_samples():

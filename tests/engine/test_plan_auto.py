@@ -16,8 +16,6 @@ def _wide():
 
 
 def _train_auto(rank, world, extra):
-    from engine import auto
-
     cfg = EngineConfig(strategy="auto", lr=1e-3, micro_batches=2, accumulation="fixed", max_steps=16, **extra)
     held_out = worker_stream(7, 8, seed=0)
     model = _wide()
@@ -29,7 +27,7 @@ def _train_auto(rank, world, extra):
     with torch.no_grad():
         after = sum(mse_loss(engine.model, b).item() for b in held_out)
     return {"cfg": (engine.cfg.strategy, engine.cfg.codec, engine.cfg.param_codec), "asked": cfg.strategy,
-            "decision": auto.last_decision, "loss": [h["loss"] for h in hist], "held_out": (before, after),
+            "decision": vars(engine.auto_choice), "loss": [h["loss"] for h in hist], "held_out": (before, after),
             "params": flat_params(engine.model), "bytes": [h["wire_bytes"] for h in hist]}
 
 
@@ -58,6 +56,7 @@ def test_auto_at_world1_is_zero1():
     engine = Engine(_wide(), EngineConfig(strategy="auto", max_steps=2), mse_loss)
     try:
         assert engine.cfg.strategy == "zero1"
+        assert engine.auto_choice.strategy == "zero1" and "world size 1" in engine.auto_choice.why
         engine.fit(iter(worker_stream(0, 10)))
     finally:
         engine.close()

@@ -2,19 +2,22 @@
 of 8 H100s, 2, 8 and 64 nodes, 1, 10 and 100 Gbit/s per node link, and the sanity checks
 against published figures.
 
-    python -m engine.planner.projections            # both tables, markdown
+    python -m benchmarks.projections            # both tables, markdown
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .hardware import gpu
-from .modes import Mode
-from .plan import make_plan
-from .shape import PRESETS, from_shape
-from .timeline import Batch, step_time
-from .wire import Layout, WireSettings
+from engine.planner.hardware import gpu
+from engine.planner.modes import Mode
+from engine.planner.recommend import make_plan
+from engine.planner.shape import PRESETS, from_shape
+from engine.planner.timeline import Batch, step_time
+from engine.planner.wire import WireSettings
+from engine.topology import Layout
+
+from .plan_validate import RESULTS
 
 MFU = 0.4
 GLOBAL_BATCH = 1024  # sequences of 4096 tokens per optimizer step: 4.2M tokens
@@ -43,16 +46,15 @@ def projection_table() -> str:
             for link in (1, 10, 100):
                 layout = Layout(nodes, 8)
                 hw = gpu(link, mfu=MFU)
-                plan = make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws,
-                                 modes=[m for _, m in COLUMNS] + [Mode("zero1"), Mode("acco", "loco4", "int8", exchange=TWO),
-                                                                  Mode("zero1", "loco4", "int4", exchange=TWO)])
+                plan = make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws, results=RESULTS)
                 ref = next(r for r in plan.rows if r.mode == plan.reference)
                 cells = [name.upper(), str(nodes), f"{link:g}", f"{ref.time.compute_s:.3g}", f"{ref.time.step_s:.3g}"]
                 for _, m in COLUMNS:
                     r = next(r for r in plan.rows if r.mode == m)
-                    cells.append(f"{r.speedup_vs_ddp:.2f}x")
+                    cells.append(f"{r.speedup_vs_ddp:.2f}x" + ("" if r.fits else "*"))
                 c = plan.choice
-                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute)")
+                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute)"
+                             if c is not None else "nothing fits")
                 s = plan.soonest
                 cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x)" if s is not None else "-")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -111,6 +113,7 @@ def main() -> None:
           f"{GLOBAL_BATCH} x 4096 tokens, micro-batch {MICRO_BATCH}, bf16; speed-up = DDP bf16 ring's step time / the mode's "
           "(local-step modes: per inner step, the same samples)\n")
     print(projection_table())
+    print("\n* does not fit an 80 GB H100 with its activations (engine/planner/memory.py, activations.py)")
     print("\nSanity checks against published figures:\n")
     print(sanity_checks())
 

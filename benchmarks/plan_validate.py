@@ -6,7 +6,10 @@ communication), its link rate and its batch; never from its step time. The comm 
 the testbed profile's stated constants (engine/planner/hardware.py ``TESTBED_CONSTANTS``), which
 ``measure_constants`` recomputes from the same JSONs' thread CPU counters.
 
-    python -m engine.planner.validate            # the table of docs/DESIGN.md section 12.4
+    python -m benchmarks.plan_validate            # the table of docs/DESIGN.md section 12.4
+
+It lives with the benchmarks, not in the planner: it names the benchmark's modes and reads the
+repository's docs/results, which an installed engine does not have.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .hardware import cpu_testbed
-from .modes import Mode
-from .shape import ModelShape
-from .timeline import Batch, step_time
-from .wire import Layout, WireSettings, step_bytes
+from engine.planner.hardware import cpu_testbed
+from engine.planner.modes import Mode
+from engine.planner.shape import ModelShape
+from engine.planner.timeline import Batch, step_time
+from engine.planner.wire import WireSettings, step_bytes
+from engine.topology import Layout
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the repository's benchmark JSONs
 
 # every matched-batch JSON (one global batch per step for every mode, fixed micro-batches); the
 # free-protocol JSONs (bench_r*.json) let the batch grow with the link's timing, so their step
@@ -201,12 +205,14 @@ def measure_constants(files=VALIDATION_FILES) -> dict:
             cls = "fast" if rate >= 5e8 else "slow"
             comm = _per_step(o, ("acco-loco-comm",))
             gloo = _per_step(o, ("gloo_tcp_loop", "pt_gloo_runloop"))
-            if mode.strategy in ("zero1", "dpu", "acco"):
-                acc.setdefault("round_s_per_param", []).append(comm / (mode.rounds * shape.params))
-            elif mode.strategy == "onebit_adam":
-                acc.setdefault("onebit_s_per_param", []).append(comm / shape.params)
+            if mode.is_ddp:
+                pass
             elif mode.local_steps:
-                acc.setdefault(f"outer_s_per_param.{mode.strategy}", []).append(comm * mode.inner_steps / shape.params)
+                acc.setdefault(mode.spec.outer_cost, []).append(comm * mode.inner_steps / shape.params)
+            elif "round_s_per_param" in (work := mode.spec.work(1, 1, 1, mode)):  # the sharded rounds
+                acc.setdefault("round_s_per_param", []).append(comm / (mode.rounds * shape.params))
+            else:  # a full-size step of its own (1-bit Adam's)
+                acc.setdefault(next(iter(work)), []).append(comm / shape.params)
             if mode.strategy != "sparseloco":
                 acc.setdefault(f"transport_s_per_byte.{cls}", []).append(gloo / o["wire_bytes_per_step_engine"])
             if o.get("tx_over_engine"):

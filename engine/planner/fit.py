@@ -1,0 +1,26 @@
+"""Whether a mode fits one GPU: its training state (memory.py) and one micro-batch's activations
+(activations.py) against the GPU's memory, with activation checkpointing where it is needed."""
+
+from __future__ import annotations
+
+from .activations import activation_bytes
+from .memory import Memory, memory_per_gpu
+from .modes import Mode
+from .shape import ModelShape
+from .timeline import Batch
+from .wire import Layout, WireSettings
+
+CHECKPOINTING = ("auto", "on", "off")  # auto: only where the activations would not fit otherwise
+
+
+def fitting(mode: Mode, shape: ModelShape, layout: Layout, batch: Batch, ws: WireSettings, limit: float,
+            checkpointing: str = "auto") -> tuple[Memory, float, bool, bool]:
+    """(state, activation bytes, checkpointed, fits) of ``mode``: checkpointing 'auto' takes it only
+    where the activations would not fit without it; ``limit`` 0 checks nothing."""
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing {checkpointing!r}: choose one of {CHECKPOINTING}")
+    state = memory_per_gpu(mode, shape, layout, ws)
+    plain = activation_bytes(shape, batch.micro_batch, ws.compute_bytes, False)
+    ckpt = checkpointing == "on" or (checkpointing == "auto" and bool(limit) and state.total + plain > limit)
+    act = activation_bytes(shape, batch.micro_batch, ws.compute_bytes, True) if ckpt else plain
+    return state, act, ckpt, not limit or state.total + act <= limit

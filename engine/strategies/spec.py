@@ -1,0 +1,108 @@
+"""What a strategy tells the planner about itself (torchtitan's ``TrainSpec`` is the model): its
+round plan, the bytes one round sends per rank, its comm-side work per round and which
+per-parameter state formula its memory follows. Each strategy class returns one from its
+``spec`` classmethod; ``python -m engine.plan`` reads them and names no strategy, so a strategy
+registered later (tests/toy_strategy.py) shows in its table with no planner edit.
+
+The byte functions count what one rank sends through ``Comm`` in one round of a flat exchange
+over ``world`` ranks, split by collective, so that the planner can put each part on the link it
+crosses (engine/planner/wire.py): ``all_to_all`` (rows to every other rank: the reduce-scatter),
+``all_gather`` (one piece to every other rank, as a ring gathers it) and ``small`` (the round's
+float64 all-reduce of counts, losses and flags). No torch here: the planner imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+ALIGN = 128  # EngineConfig.align
+
+
+def padded(numel: int, world: int, unit: int) -> int:
+    """``numel`` rounded up to whole ``unit``-sized pieces for each of ``world`` ranks."""
+    step = world * unit
+    return -(-numel // step) * step
+
+
+def small_bytes(world: int, values: int) -> int:
+    """One rank's bytes of a ring all-reduce of ``values`` float64 values (Comm's count)."""
+    return 2 * (world - 1) * 8 * values // world
+
+
+@dataclass(frozen=True)
+class WireSettings:
+    """The settings a round's bytes depend on, besides the strategy and its codecs."""
+
+    compute_bytes: int = 4  # 4 = fp32, 2 = bf16
+    group_size: int = 128
+    scale_dtype: str = "float32"
+    topk_density: float = 0.02  # the top-k pseudo-gradient codec's (EngineConfig topk_*)
+    topk_chunk: int = 4096
+    topk_bits: int = 2
+    pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Which per-parameter state formula of engine/planner/memory.py the strategy's state follows:
+
+    - ``sharded``: fp32 master and AdamW moments sharded over the optimizer's ranks, the compute
+      copy and gradient buffers whole (or, with model sharding, 1/G of them);
+    - ``whole``: the compressed stage keeps full-size fp32 state on every rank (1-bit Adam's);
+    - ``local``: every replica steps its own copy (inner AdamW and the outer round's buffers);
+    - ``replicated``: every rank keeps an fp32 copy of everything and steps it itself.
+
+    ``kept_shards``: fp32 shard-sized buffers the strategy keeps between rounds of a step."""
+
+    state: str
+    kept_shards: int = 0
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    rounds: int  # rounds per optimizer step (local steps: per outer round)
+    overlap: bool  # compute runs while a round is in flight (each round behind 1/rounds of a step)
+    memory: MemorySpec
+    # (numel, world, mode, ws) -> {"all_to_all", "all_gather", "small"}: one round's bytes per rank
+    # over a flat group of ``world`` ranks; ``mode`` carries codec, param_codec, inner_steps
+    round_parts: Callable[..., dict]
+    # (numel, slice_, shard, mode) -> {Hardware cost attribute: values}: a round's comm-side work,
+    # ``slice_`` the values this rank exchanges (numel / G when two-level), ``shard`` the values its
+    # optimizer owns
+    work: Callable[..., dict] = lambda numel, slice_, shard, mode: {}
+    adamw_class: bool = False  # its update is AdamW's (or AdamW's one step late): auto may take it
+    codec_variants: bool = False  # takes gradient codecs and low-bit parameter deltas
+    two_level: bool = False  # has a two-level exchange (engine/topology.py)
+    node_sharding: bool = False  # runs with model_sharding="node" (FSDP2 inside the node)
+    local_steps: bool = False  # a round every ``inner_steps`` optimizer steps taken alone
+    outer_cost: str = ""  # local steps: the Hardware cost attribute of an outer round, per value
+    warmup_as: str = ""  # a registered strategy whose rounds its warmup runs (time to loss)
+    # (strategy, codec, param_codec) whose measured loss stands in for its codec variants
+    quality_proxy: tuple[str, str, str] | None = None
+
+
+def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
+    """One round of the sharded exchange (engine/comm.py, docs/DESIGN.md 2.2, 3.2), per rank, S =
+    P / N of the padded buffer: reduce-scatter (N-1) S e, or (N-1)(wire_bytes(S) + 4) under a
+    gradient codec (+ its 4-byte count weight); all-gather (N-1) S e_p, or (N-1) wire_bytes(S)
+    of low-bit deltas; the small all-reduce of 4 + 3N values."""
+    from acco_loco.registry import parse_codecs
+
+    codecs = parse_codecs(mode.codec, mode.param_codec, ws.group_size, ws.scale_dtype)
+    p = padded(numel, world, codecs.unit(ALIGN))
+    s = p // world
+    grad = codecs.grad_wire
+    rs = (world - 1) * (s * ws.compute_bytes if grad is None else grad.wire_bytes(s) + 4)
+    ag = (world - 1) * codecs.param_wire_bytes(s, ws.compute_bytes)
+    return {"all_to_all": rs, "all_gather": ag, "small": small_bytes(world, 4 + 3 * world)}
+
+
+def sharded_work(numel: int, slice_: int, shard: float, mode) -> dict:
+    """A sharded round's comm-side work: copies of the whole buffer, the optimizer on the shard,
+    and per codec a pass over the exchanged values (encode + error feedback, decode + sum; low-bit
+    deltas: encode the shard, decode every replica's)."""
+    from acco_loco.registry import PARAM_DELTA_CODECS
+
+    passes = 2 * slice_ if mode.codec != "none" else 0
+    deltas = shard + numel if mode.param_codec in PARAM_DELTA_CODECS else 0
+    return {"round_s_per_param": numel, "shard_opt_s_per_param": shard, "codec_s_per_param": passes + deltas}
