@@ -10,7 +10,6 @@ import os
 import torch
 
 from acco_loco.optim import init_state
-from acco_loco.registry import parse_codecs
 
 from .collectives import make_collectives
 from .comm import init_process_group, resolve_chunks
@@ -18,6 +17,7 @@ from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
 from .layout import make_two_level_collectives
 from .rounds import RoundContext
+from .strategies import shard_groups
 
 log = logging.getLogger("acco_loco")
 
@@ -41,12 +41,6 @@ def start_process_group(named: list, cfg) -> tuple[torch.device, int, int]:
         keep_freed_memory()
     warn_shared_elastic_store()
     return (device, *init_process_group(device, cfg.timeout_s))
-
-
-def shard_groups(cfg, strategy) -> list[int]:
-    """The group sizes every shard must be a multiple of: the configured codecs' and the
-    strategy's own wire codecs' (1-bit Adam's sign1 groups)."""
-    return parse_codecs(cfg.codec, cfg.param_codec, cfg.group_size, cfg.scale_dtype).groups() + strategy.codec_groups(cfg)
 
 
 def warn_shared_elastic_store() -> None:
@@ -73,7 +67,7 @@ def build_context(engine, named: list) -> RoundContext:
     if cfg.compute_dtype != "auto":
         engine.model.to(dtype)
     flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
-                      math.lcm(cfg.align, *shard_groups(cfg, engine.strategy)), dtype)
+                      math.lcm(cfg.align, *shard_groups(cfg)), dtype)
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     padded32[:flat32.numel()] = flat32

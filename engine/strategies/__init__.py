@@ -62,6 +62,15 @@ def section_readers(section: str) -> tuple[str, ...]:
     return tuple(name for name in STRATEGIES if section in sections_read(name))
 
 
+def shard_groups(cfg) -> list[int]:
+    """The group sizes every shard must be a multiple of: the configured codecs' (one parser,
+    acco_loco/registry.py ``parse_codecs``) and the strategy's own wire codecs' (1-bit Adam's)."""
+    from acco_loco.registry import parse_codecs  # torch: only when an engine is built
+
+    codecs = parse_codecs(cfg.codec, cfg.param_codec, cfg.group_size, cfg.scale_dtype)
+    return codecs.groups() + strategy_class(cfg.strategy).codec_groups(cfg)
+
+
 def make_strategy(cfg):
     """A fresh strategy object for ``cfg.strategy`` (a key of STRATEGIES), checked against cfg."""
     cls = strategy_class(cfg.strategy)

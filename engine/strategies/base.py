@@ -37,7 +37,7 @@ class Strategy:
     @classmethod
     def codec_groups(cls, cfg) -> list[int]:
         """Group sizes this strategy's own wire codecs need every shard to be a multiple of
-        (engine/collectives.py ``codec_groups`` adds them to the configured codecs')."""
+        (engine/strategies/__init__.py ``shard_groups`` adds them to the configured codecs')."""
         return []
 
     def make_loop(self, parts):
