@@ -142,3 +142,18 @@ def test_benchmark_modes_set_the_corrections():
         assert getattr(cfg, field) == value and cfg.strategy == "acco"
         # matched like acco: 4 x 4 per step in 2 rounds at B = 16 on 2 workers
         assert matched_batch(name, 16, 2, 8) == matched_batch("acco", 16, 2, 8)
+
+
+def test_the_probe_runs_and_its_least_squares_fit_never_adds_error(capsys):
+    import re
+
+    from benchmarks.acco_delay_probe import main
+
+    assert main(["--steps", "3", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 3
+    for line in lines[1:]:
+        got = {k: float(v) for k, v in re.findall(r"([\w/]+\*?)=(\S+)", line)}
+        assert set(got) == {"dg/g", "lam*", "resid", "acco_est", "wp_est"}
+        assert 0.0 <= got["resid"] <= 1.0 + 1e-6  # the best lambda (0 included) cannot do worse than none
+        assert got["acco_est"] > 0 and got["wp_est"] > 0
