@@ -53,8 +53,8 @@ def projection_table() -> str:
                     r = next(r for r in plan.rows if r.mode == m)
                     cells.append(f"{r.speedup_vs_ddp:.2f}x" + ("" if r.fits else "*"))
                 c = plan.choice
-                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute)"
-                             if c is not None else "nothing fits")
+                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute"
+                             + (", checkpointed)" if c.checkpointing else ")") if c is not None else "nothing fits")
                 s = plan.soonest
                 cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x)" if s is not None else "-")
                 lines.append("| " + " | ".join(cells) + " |")

@@ -16,11 +16,13 @@ CHECKPOINTING = ("auto", "on", "off")  # auto: only where the activations would 
 def fitting(mode: Mode, shape: ModelShape, layout: Layout, batch: Batch, ws: WireSettings, limit: float,
             checkpointing: str = "auto") -> tuple[Memory, float, bool, bool]:
     """(state, activation bytes, checkpointed, fits) of ``mode``: checkpointing 'auto' takes it only
-    where the activations would not fit without it; ``limit`` 0 checks nothing."""
+    where it makes the mode fit (a mode that fits neither way keeps its plain figures, the
+    reference's speed-ups included); ``limit`` 0 checks nothing."""
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing {checkpointing!r}: choose one of {CHECKPOINTING}")
     state = memory_per_gpu(mode, shape, layout, ws)
     plain = activation_bytes(shape, batch.micro_batch, ws.compute_bytes, False)
-    ckpt = checkpointing == "on" or (checkpointing == "auto" and bool(limit) and state.total + plain > limit)
-    act = activation_bytes(shape, batch.micro_batch, ws.compute_bytes, True) if ckpt else plain
-    return state, act, ckpt, not limit or state.total + act <= limit
+    stored = activation_bytes(shape, batch.micro_batch, ws.compute_bytes, True)
+    fits_plain, fits_stored = state.total + plain <= limit, state.total + stored <= limit
+    ckpt = checkpointing == "on" or (checkpointing == "auto" and bool(limit) and not fits_plain and fits_stored)
+    return state, stored if ckpt else plain, ckpt, not limit or (fits_stored if ckpt else fits_plain)
