@@ -7,8 +7,6 @@ against published figures.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from engine.planner.hardware import gpu
 from engine.planner.modes import Mode
 from engine.planner.recommend import make_plan

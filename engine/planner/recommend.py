@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .advice import what_would_fit
-from .fit import CHECKPOINTING, fitting
+from .fit import fitting
 from .hardware import Hardware
 from .memory import Memory
 from .modes import Mode, candidates
