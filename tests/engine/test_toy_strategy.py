@@ -36,7 +36,7 @@ def toy():
 def train(rank: int, world: int) -> dict:
     register()
     cfg = EngineConfig(strategy="toy_sync_sgd", toy_factor=STEP_SIZE, micro_batches=K, accumulation="fixed",
-                       max_steps=STEPS, align=8)
+                       max_steps=STEPS, align=128)  # the planner's padding (engine/strategies/spec.py ALIGN)
     engine = Engine(tiny_model(0), cfg, mse_loss)
     history = engine.fit(worker_stream(rank, K * (STEPS + 1)))
     loop = type(engine.loop).__name__
@@ -66,6 +66,14 @@ def test_toy_strategy_with_its_own_loop_and_section_matches_float64(toy):
     assert [e["step"] for e in h] == list(range(1, STEPS + 1)) and all(e["lr"] == STEP_SIZE for e in h)
     assert all(e["global_micro_batches"] == 2 * K for e in h)
     assert h[-1]["loss"] < h[0]["loss"]
+    # the planner prices it from its spec alone (tests/toy_strategy.py ``spec``): what it predicts
+    # a rank sends per step is what the engine counted
+    from engine.planner.modes import Mode
+    from engine.planner.wire import WireSettings, step_bytes
+    from engine.topology import Layout
+
+    want = step_bytes(start.numel(), Layout(2), Mode("toy_sync_sgd"), WireSettings()).rank
+    assert [e["wire_bytes"] for e in h] == [want] * STEPS
 
 
 def test_toy_section_rules_apply_to_the_toy_strategy(toy):
