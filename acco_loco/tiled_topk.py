@@ -64,11 +64,11 @@ class TiledTopK:
         return torch.where(self.gather >= 0, x[self.gather.clamp(min=0)], torch.zeros((), dtype=x.dtype,
                                                                                         device=x.device))
 
-    def encode_with_decoded(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def encode_with_decoded(self, x: Tensor, check_finite: bool = True) -> tuple[Tensor, Tensor]:
         """(payload, what a receiver decodes from it as a dense fp32 tensor like ``x``)."""
         if x.numel() != self.numel:
             raise ValueError(f"this layout encodes {self.numel} values, got {x.numel()}")
-        payload, tiles = self.codec.encode_with_decoded(self._tiles(x.to(torch.float32)))
+        payload, tiles = self.codec.encode_with_decoded(self._tiles(x.to(torch.float32)), check_finite)
         out = torch.zeros(self.numel, dtype=torch.float32, device=x.device)
         real = self.gather >= 0
         out[self.gather[real]] = tiles[real]

@@ -98,11 +98,13 @@ class TopKCodec:
         return self.index_bytes(numel) + self.value_bytes(numel) + self.scale_bytes(numel)
 
     # ------------------------------------------------------------------ encode
-    def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(indices [M, k] int64 ascending within each chunk, values [M, k] fp32) of the kept values."""
+    def select(self, x: Tensor, check_finite: bool = True) -> tuple[Tensor, Tensor]:
+        """(indices [M, k] int64 ascending within each chunk, values [M, k] fp32) of the kept values.
+        ``check_finite=False``: the caller knows ``x`` is finite (the check reads the device on the
+        host: a wait on a GPU)."""
         if x.dim() != 1:
             raise ValueError(f"top-k encodes a 1-D tensor, got shape {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
+        if check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("the tensor to encode holds NaN/Inf values: refusing to encode them")
         c = self.chunk
         chunks = pad_to_multiple(x.to(torch.float32), c).view(-1, c)
@@ -134,13 +136,13 @@ class TopKCodec:
         negative = (codes >> (self.bits - 1)).bool()
         return torch.where(negative, -mag, mag)
 
-    def encode(self, x: Tensor) -> Tensor:
+    def encode(self, x: Tensor, check_finite: bool = True) -> Tensor:
         """The payload of ``x`` (fp32, 1-D)."""
-        return self.encode_with_decoded(x)[0]
+        return self.encode_with_decoded(x, check_finite)[0]
 
-    def encode_with_decoded(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def encode_with_decoded(self, x: Tensor, check_finite: bool = True) -> tuple[Tensor, Tensor]:
         """(payload, what a receiver decodes from it as a dense fp32 tensor like ``x``)."""
-        idx, values = self.select(x)
+        idx, values = self.select(x, check_finite)
         codes, lo, hi = self.quantize(values)
         dense = self._scatter(x.numel(), idx, self.dequantize(codes, lo, hi), x.device)
         return self._pack(idx, codes, lo, hi), dense

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from acco_loco import kernel_policy, kernels
+from acco_loco import compiled, kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback, compress
 from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
@@ -141,6 +141,7 @@ class CompressedGrads:
         fb = self.feedback
         # the fused CPU kernels: deterministic rounding, and an int8 error state in the codec's groups
         self.fused = kernel_policy.reducer(self.codec, fb, self.generator, device)
+        self.compiled = compiled.available(device) and self.generator is None
         self._output = _Output()
         self._weight: torch.Tensor | None = None
 
@@ -153,8 +154,10 @@ class CompressedGrads:
         mean = full.to(torch.float32) / max(count, 1)
         if not self.feedback.active:  # nothing to compensate: no decoded copy needed
             return self.codec.encode(mean, self.generator, check_finite=False)
-        payload, scales, _ = compress(mean, self.codec, self.feedback, self.generator, update=count > 0,
-                                      check_finite=False)
+        # on a GPU the encode + error feedback compiled into a few kernels (acco_loco/compiled.py)
+        run = compiled.compress if self.compiled else compress
+        payload, scales, _ = run(mean, self.codec, self.feedback, self.generator, update=count > 0,
+                                 check_finite=False)
         return payload, scales
 
     def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:

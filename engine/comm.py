@@ -53,13 +53,25 @@ def init_process_group(device: torch.device, timeout_s: float) -> tuple[int, int
         raise RuntimeError(f"WORLD_SIZE={world} but {missing} are not set: start the workers with "
                            "torchrun or `accelerate launch`, which set them")
     backend = backend_for(device)
-    timeout = timeout_s
-    if backend == "nccl":
+    # NCCL: bind the group to this rank's GPU (its communicator is made at once, on that device)
+    bound = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method="env://", timeout=prepare_backend(backend, timeout_s), **bound)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def group_timeout_s(backend: str, timeout_s: float) -> float:
+    """The timeout of a process group the engine uses: ``timeout_s`` under gloo (its collectives
+    time out and raise on their own), the backstop beyond it under NCCL."""
+    return NCCL_BACKSTOP[0] * timeout_s + NCCL_BACKSTOP[1] if "nccl" in str(backend) else timeout_s
+
+
+def prepare_backend(backend: str, timeout_s: float) -> timedelta:
+    """The default group's timeout for ``backend`` (also for a launcher's group: the recipe hands
+    it to accelerate); under NCCL also its watchdog's error handling, unless the user chose."""
+    if "nccl" in str(backend):
         # errors and timeouts of NCCL collectives are handled by its watchdog, never left hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        timeout = NCCL_BACKSTOP[0] * timeout_s + NCCL_BACKSTOP[1]
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+    return timedelta(seconds=group_timeout_s(backend, timeout_s))
 
 
 def default_store():

@@ -31,6 +31,15 @@ def trainable_parameters(model: torch.nn.Module) -> list:
     return named
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The floating-point parameters to ``dtype``; buffers keep theirs (``model.to(dtype)`` would
+    cast Llama's rotary ``inv_freq`` to bf16 too, and every position's angle with it)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def start_process_group(named: list, cfg) -> tuple[torch.device, int, int]:
     """(the model's device, rank, world size): the device made current, and on CPU the freed-memory
     setting applied before the process group and the comm thread start."""
@@ -65,7 +74,7 @@ def build_context(engine, named: list) -> RoundContext:
     if not dtype.is_floating_point:
         raise TypeError(f"trainable parameters must be floating point, got {dtype}")
     if cfg.compute_dtype != "auto":
-        engine.model.to(dtype)
+        cast_parameters(engine.model, dtype)
     flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
                       math.lcm(cfg.align, *shard_groups(cfg)), dtype)
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective

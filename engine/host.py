@@ -2,6 +2,8 @@
 device (a host sync), so a round keeps them to what its control flow truly needs: the small
 all-reduce's counts and flags, and whether the gathered parameters are finite. Everything else
 (finiteness flags, weights, norms) stays on the device. tests/engine/test_host_syncs.py counts them.
+The other way too: ``t[i] = 3.0`` on a device tensor is a blocking copy from the host each time,
+so the small all-reduce's vector is filled on the host and copied once (``small_vector``).
 
 On a GPU a read is also where the comm thread would wait for ever behind a collective that never
 ends (a dead peer under NCCL: the kernel spins on the device, nothing returns an error to the
@@ -18,11 +20,13 @@ from typing import Callable
 import torch
 
 wait_limit_s = 1800.0  # set by streams.CommWorker from EngineConfig.timeout_s
+POLL_MAX_S = 50e-6  # the longest sleep between two polls of a device read
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``done`` (never blocking) until it is True; TimeoutError after ``timeout_s``. Spins
-    for 100 us first (a read normally waits for microseconds), then sleeps up to 1 ms between polls."""
+    for 100 us first (a read normally waits for microseconds), then sleeps between polls, at most
+    POLL_MAX_S (a round makes two such reads: a 1 ms nap would add up to 2 ms to each round)."""
     start = time.monotonic()
     pause = 0.0
     while not done():
@@ -31,7 +35,7 @@ def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
             raise TimeoutError(f"{what} did not finish within {timeout_s:g} s: a collective is stuck "
                                "(a peer lost or stalled?)")
         if waited > 1e-4:
-            pause = min(1e-3, max(1e-5, 2 * pause))
+            pause = min(POLL_MAX_S, max(1e-5, 2 * pause))
             time.sleep(pause)
         else:
             time.sleep(0)  # let the compute thread have the GIL while we spin
@@ -41,12 +45,47 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """Bring a small tensor to the host (one sync on a GPU, time-limited there)."""
     if t.device.type != "cuda":
         return t.cpu()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(t.device))
-    wait_until(ready.query, wait_limit_s, "a device read on the communication side")
+    return HostRead(t).wait()
+
+
+class HostRead:
+    """A read started now and waited for later: on a GPU the copy to pinned memory is queued
+    behind the work queued so far, so work queued after it (a large collective) is not waited
+    for. ``wait()`` is ``to_host``'s result (through ``to_host`` on CPU: the tests count it)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.out, self.ready = t, None, None
+        if t.device.type == "cuda":
+            self.out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.out.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(t.device))
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is None:
+            return to_host(self.t)
+        wait_until(self.ready.query, wait_limit_s, "a device read on the communication side")
+        return self.out
+
+
+def small_vector(numbers: list, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A small vector on ``device`` from ``numbers``: Python numbers, or 0-d/1-element tensors
+    already on ``device`` (a loss sum, a norm, a finiteness flag). The numbers are filled on the
+    host (pinned on a GPU) and copied once, non-blocking; the device values are copied in on the
+    device. No host wait either way (``t[i] = x`` would wait once per element)."""
+    on_device = {i: v for i, v in enumerate(numbers) if torch.is_tensor(v)}
+    host = torch.tensor([0.0 if torch.is_tensor(v) else float(v) for v in numbers], dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    out = host.to(device, non_blocking=True)
+    for i, v in on_device.items():
+        out.narrow(0, i, 1).copy_(v.reshape(1))  # device to device
     return out
+
+
+def host_flag(t: torch.Tensor) -> bool:
+    """``bool(t)`` of a 0-d device tensor through ``to_host`` (time-limited on a GPU)."""
+    return bool(to_host(t))
 
 
 def nonfinite_rows(rows: torch.Tensor) -> list[int]:

@@ -40,7 +40,7 @@ def make_two_level_collectives(cfg, world_comm: Comm, layout: Layout, padded: in
                                dtype: torch.dtype):
     """(gradient reducer, parameter gatherer) of the two-level exchange: the flat ones built for
     one rail (P/G values over M ranks), wrapped by the node's level."""
-    groups = build_groups(layout, device)
+    groups = build_groups(layout, device, cfg.timeout_s)
     g, m = layout.ranks_per_node, layout.nodes
     node = Comm(layout.local, g, world_comm.chunks, group=groups.node_group, peer_nodes=[0] * g,
                 counter=world_comm.counter)

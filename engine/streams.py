@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import host
 
 log = logging.getLogger("acco_loco")
+COMM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
 
 
 class RoundHandle:
@@ -71,7 +72,9 @@ class CommWorker:
         self.device = device
         if timeout_s is not None:
             host.wait_limit_s = timeout_s  # the comm thread's device reads give up after it
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # high priority: the scheduler runs the comm stream's short kernels (encode, decode, the
+        # collectives) as soon as they are ready, between the compute stream's long ones
+        self.stream = torch.cuda.Stream(device=device, priority=COMM_PRIORITY) if device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="acco-loco-comm", daemon=True)
         self._thread.start()

@@ -128,9 +128,22 @@ class TwoLevelGroups:
     mesh: object
 
 
-def build_groups(layout: Layout, device: torch.device) -> TwoLevelGroups:
-    """The 2-D DeviceMesh (node x local) and its two groups; every rank must call this."""
+def build_groups(layout: Layout, device: torch.device, timeout_s: float | None = None) -> TwoLevelGroups:
+    """The 2-D DeviceMesh (node x local) and its two groups; every rank must call this. With
+    ``timeout_s`` (EngineConfig.timeout_s) both groups time out as the default group does
+    (engine/comm.py ``group_timeout_s``), not at torch's default for new groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (layout.nodes, layout.ranks_per_node), mesh_dim_names=("node", "local"))
+    override = None
+    if timeout_s is not None:
+        from datetime import timedelta
+
+        from .comm import backend_for, group_timeout_s
+
+        backend = backend_for(device)
+        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=group_timeout_s(backend, timeout_s))
+        override = {"node": (backend, options), "local": (backend, options)}
+    mesh = init_device_mesh(device.type, (layout.nodes, layout.ranks_per_node), mesh_dim_names=("node", "local"),
+                            backend_override=override)
     return TwoLevelGroups(node_group=mesh.get_group("local"), rail_group=mesh.get_group("node"), mesh=mesh)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .host import to_host
+from .host import HostRead, small_vector, to_host
 from .rounds import Reduced
 from .topology import Layout
 
@@ -52,11 +52,14 @@ class TwoLevelGrads:
         flag is the node sum's, not this rank's gradient: the round checks that itself."""
         m, g = self.layout.nodes, self.layout.ranks_per_node
         shard, dev = full.numel() // (m * g), full.device
-        node_sum = self.node_sum(full)
         if self._count is None or self._count.device != dev:
             self._count = torch.zeros(1, dtype=torch.float64, device=dev)
         self._count.fill_(float(count))
-        node_count = int(to_host(self.node.all_reduce_sum(self._count))[0])
+        # the node's count is summed and its read started before the node's reduce-scatter is
+        # queued: on a GPU the read then waits for the small sum only, not for the whole exchange
+        node_count = HostRead(self.node.all_reduce_sum(self._count))
+        node_sum = self.node_sum(full)
+        node_count = int(node_count.wait()[0])
         if self.feedback is None and full.dtype != torch.float32:
             # uncompressed: the rail carries the node's sum in the gradient's dtype, as flat does
             wire = self.node.buffer(("two_level.wire",), (m * shard,), full.dtype, dev)
@@ -105,10 +108,10 @@ class TwoLevelParams:
         replica: the node agrees on the union of its rails' findings first."""
         m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
         bad_rail = self.inner.finish(self.rail, self._slice)
-        flags = self.node.buffer(("two_level.flags",), (m * g,), torch.float64, held.device)
-        flags.zero_()
+        mine = [0.0] * (m * g)
         for node in bad_rail:
-            flags[node * g + local] = 1.0
+            mine[node * g + local] = 1.0
+        flags = small_vector(mine, held.device)
         bad = [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
         if bad:
             return bad

@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a 
 
 from engine import Engine, EngineConfig, GlobalBatches  # noqa: E402
 from engine import checkpoint as ckpt  # noqa: E402
+from engine.comm import prepare_backend  # noqa: E402
 from engine.config import Setting, describe_settings  # noqa: E402
 from lm.data import (  # noqa: E402
     ByteTokenizer,
@@ -65,7 +66,8 @@ from lm.models import (  # noqa: E402
     tiny_gpt2,
 )
 
-TINY_MODEL = "tiny-gpt2"  # randomly initialised small GPT-2 + byte tokenizer (tests, demos)
+TINY_MODEL = "tiny-gpt2"
+ROWS_PER_GATHER = 16  # committed steps whose metrics rows are gathered and written together  # randomly initialised small GPT-2 + byte tokenizer (tests, demos)
 
 
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -371,13 +373,17 @@ def plot(metrics_file: Path, png: Path) -> None:
 
 # ------------------------------------------------------------------------------------ main
 def make_accelerator(cfg: FinetuneConfig, out: Path):
-    """accelerate starts the processes and the trackers; it never wraps the model."""
+    """accelerate starts the processes and the trackers; it never wraps the model. Its process
+    group gets the engine's timeout: under NCCL the backstop beyond the engine's own diagnosis
+    (engine/comm.py NCCL_BACKSTOP), so that NCCL's watchdog does not end the process at the
+    moment the engine would name the lost peer."""
     from accelerate import Accelerator, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
 
+    cuda = torch.cuda.is_available()
     return Accelerator(
-        cpu=not torch.cuda.is_available(),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
+        cpu=not cuda,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=prepare_backend("nccl" if cuda else "gloo", cfg.timeout_s))],
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")))
 
@@ -461,30 +467,41 @@ def work_lost(rows: list[dict], step: int) -> str:
             f"({redo_s:.1f} s of training, redone now); {gap}")
 
 
-def elastic_restart(cfg: FinetuneConfig, out: Path) -> FinetuneConfig:
+def host_group(cfg: FinetuneConfig):
+    """A gloo group over every rank for the recipe's own host-side exchanges (CPU tensors and
+    Python objects): the default group is NCCL-only on GPUs, and the engine's comm thread may have
+    a round in flight on it. None at world size 1."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    return None
+
+
+def elastic_restart(cfg: FinetuneConfig, out: Path, group=None) -> FinetuneConfig:
     """Under torchrun's elastic restarts the same command runs again: from the second attempt on,
     resume from the latest checkpoint when any rank has one (every rank decides alike; a rank
-    whose disk lacks it gets the files from its peers)."""
+    whose disk lacks it gets the files from its peers). ``group``: ``host_group``'s (a CPU tensor
+    on an NCCL group fails)."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or cfg.resume:
         return cfg
     has = torch.tensor([int((out / "checkpoints" / ckpt.LATEST).is_file())])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    if group is not None:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     return dataclasses.replace(cfg, resume=True) if has.item() else cfg
 
 
 class RunLog:
     """metrics.jsonl and the tracker, written by the main process; held-out evaluations."""
 
-    def __init__(self, cfg: FinetuneConfig, accelerator, metrics_file: Path, offset_s: float, samples_total: int):
+    def __init__(self, cfg: FinetuneConfig, accelerator, metrics_file: Path, offset_s: float, samples_total: int,
+                 group=None):
         self.cfg, self.accelerator, self.file = cfg, accelerator, metrics_file
         self.main = accelerator.is_main_process
         self.t0 = time.perf_counter() - offset_s
         self.samples_total = samples_total
-        # the per-step rows gather every rank's entry while the engine's comm thread may have a
-        # round in flight on the default group: their own group keeps the two orders apart
-        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s)) if dist.is_available() and dist.is_initialized()
-                      and dist.get_world_size() > 1 else None)
+        # the rows gather every rank's entries while the engine's comm thread may have a round in
+        # flight on the default group: their own (gloo) group keeps the two orders apart
+        self.group = group
+        self.pending: list[tuple[dict, float]] = []  # committed steps not yet written, with their wall time
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -498,6 +515,12 @@ class RunLog:
         self.accelerator.log({name: row[k] for k, name in TRACKED[row["kind"]].items() if row.get(k) is not None},
                              step=row["step"])
 
+    def commit_rest(self, elapsed: float) -> float:
+        """Write the kept rows now (every rank calls it at the same point)."""
+        entries, walls = [e for e, _ in self.pending], [w for _, w in self.pending]
+        self.pending = []
+        return self.steps(entries, elapsed, walls) if entries else elapsed
+
     def evaluate(self, tag: str, model, held_tokens, step: int) -> float:
         acc = self.accelerator
         loss, ppl = evaluate(model, held_tokens, self.cfg, acc.process_index, acc.num_processes)
@@ -506,7 +529,19 @@ class RunLog:
                   "samples_total": self.samples_total, "elapsed_s": self.elapsed()})
         return ppl
 
-    def steps(self, history: list[dict], elapsed: float) -> float:
+    def commit(self, entry: dict, elapsed: float, flush: bool) -> float:
+        """Keep a committed step's entry; write the kept ones when ``flush`` (every rank passes
+        the same: they commit the same steps) or ROWS_PER_GATHER are kept. The rows need every
+        rank's entry (one gather): once per step it would hold the ranks in host lockstep every
+        step. Returns ``elapsed`` as ``steps`` does."""
+        self.pending.append((entry, time.time()))
+        if not flush and len(self.pending) < ROWS_PER_GATHER:
+            return elapsed
+        entries, walls = [e for e, _ in self.pending], [w for _, w in self.pending]
+        self.pending = []
+        return self.steps(entries, elapsed, walls)
+
+    def steps(self, history: list[dict], elapsed: float, walls: list[float] | None = None) -> float:
         """A train line per committed step of every worker's history (all ranks call it for the
         same steps); each step's elapsed_s is ``elapsed`` (when its piece of the loop began) plus
         the time_s of the steps up to it. Returns the elapsed_s of the last."""
@@ -521,7 +556,8 @@ class RunLog:
                 "wire_bytes": [h.get("wire_bytes") for h in per],
                 "time_s": entry["time_s"], "elapsed_s": elapsed,
                 "micro_batches": [h.get("micro_batches") for h in per],
-                "grad_norm": entry["grad_norm"], "skipped": entry["skipped"], "wall": time.time()})
+                "grad_norm": entry["grad_norm"], "skipped": entry["skipped"],
+                "wall": walls[i] if walls else time.time()})
         return elapsed
 
 
@@ -552,8 +588,10 @@ def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: 
         start, seen, elapsed = engine.step, len(engine.history), log.elapsed()
         engine.begin(steps)
         while True:
-            for entry in engine.history[seen:]:  # one gather per step: every rank commits each step once
-                elapsed = log.steps([entry], elapsed)
+            for entry in engine.history[seen:]:  # every rank commits each step once
+                last = entry["step"] >= start + steps
+                at_checkpoint = bool(cfg.checkpoint_every) and entry["step"] % cfg.checkpoint_every == 0
+                elapsed = log.commit(entry, elapsed, flush=last or at_checkpoint)
             seen = len(engine.history)
             if engine.done:
                 break
@@ -562,6 +600,7 @@ def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: 
                 engine.finish()  # this worker's data ran out: every rank stops at the same step
             else:
                 engine.feed(batch)
+        elapsed = log.commit_rest(elapsed)  # the data ran out before the piece's last step
         if engine.step == start:  # some worker's data ran out
             say(f"stopped at step {engine.step}: the data ran out")
             return
@@ -581,7 +620,8 @@ def run(cfg: FinetuneConfig) -> None:
     # refuse cheap mistakes before loading anything
     compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
     ecfg = engine_config(cfg, compute_dtype, ckpt_root)
-    cfg = elastic_restart(cfg, out)
+    group = host_group(cfg)
+    cfg = elastic_restart(cfg, out, group)
     check_output_dir(cfg, out)
     prepare_output_dir(out, rank)
     if cfg.train_layers < 1:
@@ -601,7 +641,7 @@ def run(cfg: FinetuneConfig) -> None:
         accelerator.init_trackers(TRACKER_PROJECT, config={k: "" if v is None else v
                                                            for k, v in dataclasses.asdict(cfg).items()},
                                   init_kwargs={"wandb": {"dir": str(out), "name": out.name}})
-    log = RunLog(cfg, accelerator, out / "metrics.jsonl", offset_s, samples_total)
+    log = RunLog(cfg, accelerator, out / "metrics.jsonl", offset_s, samples_total, group)
     ppl_before = log.evaluate("before", model, held_tokens, engine.step)
     train(cfg, engine, model, stream, held_tokens, log, say)
     ppl_after = log.evaluate("after", model, held_tokens, engine.step)

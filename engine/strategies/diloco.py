@@ -33,6 +33,7 @@ import torch
 from acco_loco.optim import ShardState
 from acco_loco.outer import outer_sgd_spec, outer_sgd_step
 
+from ..host import host_flag
 from ..rounds import RoundContext
 from .local_steps import LocalStepStrategy
 from .spec import ALIGN, padded, small_bytes
@@ -62,7 +63,7 @@ class DiLoCo(LocalStepStrategy):
         mean = self.average(ctx, delta, shares)
         state = ShardState(master=self.theta_sync, exp_avg=self.momentum, step=self.outer_steps)
         proposal = outer_sgd_step(state, mean, ctx.cfg.outer_lr, self.spec)
-        if not bool(torch.isfinite(proposal.master).all()):  # the same verdict on every replica
+        if not host_flag(torch.isfinite(proposal.master).all()):  # the same verdict on every replica
             return False
         self.theta_sync.copy_(proposal.master)  # persistent buffers: the compute side reads them
         self.momentum.copy_(proposal.exp_avg)

@@ -12,7 +12,7 @@ import torch
 from acco_loco.acco import RoundKind, RoundPlan
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, to_host
+from ..host import nonfinite_flag, small_vector, to_host
 from ..rounds import RoundContext, RoundRequest, RoundResult
 from .base import Strategy
 
@@ -31,11 +31,10 @@ class LocalSGD(Strategy):
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, full, n = ctx.comm, ctx.flat.grads[req.grad_index], ctx.comm.world_size
         before = comm.bytes_sent
-        small = torch.zeros(3 + 2 * n, dtype=torch.float64, device=full.device)  # the round's one host read
-        small[0], small[1], small[2] = req.count, req.samples, req.loss_sum.to(torch.float64)
-        small[3 + comm.rank] = float(req.exhausted)
-        small[3 + n + comm.rank] = nonfinite_flag(full)  # a device flag: no host read here
-        small = to_host(comm.all_reduce_sum(small))
+        values: list = [req.count, req.samples, req.loss_sum] + [0.0] * (2 * n)
+        values[3 + comm.rank] = float(req.exhausted)
+        values[3 + n + comm.rank] = nonfinite_flag(full)  # a device flag: no host read here
+        small = to_host(comm.all_reduce_sum(small_vector(values, full.device)))  # the round's one host read
         count, bad = int(small[0]), [i for i in range(n) if small[3 + n + i] > 0]
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)

@@ -30,7 +30,7 @@ from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_s
 from acco_loco.outer import merge_delayed, pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, to_host
+from ..host import nonfinite_flag, small_vector, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..two_level import slice_of
 from .base import Strategy
@@ -159,7 +159,7 @@ class LocalStepStrategy(Strategy):
                              f"multiple of {world}")
         master = ctx.shard_state.master
         if self.layout is not None:  # every rank of every node, in this order: its groups
-            self.replica = NodeReplica(self.layout, ctx.comm, master.device)
+            self.replica = NodeReplica(self.layout, ctx.comm, master.device, ctx.cfg.timeout_s)
         owned = ctx.flat.padded // (1 if self.layout is None else self.layout.ranks_per_node)
         if master.numel() != owned:
             raise RuntimeError(f"{self.name} needs the inner optimizer state of {owned} values (the whole "
@@ -390,13 +390,12 @@ class LocalStepStrategy(Strategy):
         """One float64 all-reduce of 2 + 4N values: the period's micro-batches and loss sum, and
         one slot per rank for its samples and its exhausted / non-finite / done flags."""
         comm, n, rank = ctx.comm, ctx.comm.world_size, ctx.comm.rank
-        small = torch.zeros(2 + 4 * n, dtype=torch.float64, device=local_bad.device)
-        small[0], small[1] = self.sending.micro_batches, self.sending.loss_sum
-        small[2 + rank] = self.sending.samples
-        small[2 + n + rank] = float(req.exhausted)
-        small[2 + 2 * n + rank] = local_bad
-        small[2 + 3 * n + rank] = float(self.done)
-        small = to_host(comm.all_reduce_sum(small))
+        values: list = [self.sending.micro_batches, self.sending.loss_sum] + [0.0] * (4 * n)
+        values[2 + rank] = self.sending.samples
+        values[2 + n + rank] = float(req.exhausted)
+        values[2 + 2 * n + rank] = local_bad
+        values[2 + 3 * n + rank] = float(self.done)
+        small = to_host(comm.all_reduce_sum(small_vector(values, local_bad.device)))
         samples = [int(s) for s in small[2:2 + n]]
         flagged = [[r for r in range(n) if small[2 + k * n + r] > 0] for k in (1, 2, 3)]
         if flagged[1] and ctx.cfg.nan_policy == "stop":

@@ -21,16 +21,17 @@ import math
 import torch
 
 from ..comm import Comm
-from ..host import nonfinite_flag, to_host
+from ..host import nonfinite_flag, small_vector, to_host
 from ..topology import Layout, build_groups
 from ..two_level import gather_slices, slice_of
 
 
 class NodeReplica:
-    def __init__(self, layout: Layout, comm: Comm, device: torch.device):
+    def __init__(self, layout: Layout, comm: Comm, device: torch.device, timeout_s: float | None = None):
         g, m = layout.ranks_per_node, layout.nodes
         self.layout = layout
-        inner, outer = build_groups(layout, device), build_groups(layout, device)  # every rank, this order
+        # every rank, this order
+        inner, outer = build_groups(layout, device, timeout_s), build_groups(layout, device, timeout_s)
         self.inner_node = Comm(layout.local, g, comm.chunks, group=inner.node_group, peer_nodes=[0] * g,
                                counter=comm.counter)
         self.outer_node = Comm(layout.local, g, comm.chunks, group=outer.node_group, peer_nodes=[0] * g,
@@ -75,11 +76,9 @@ def inner_totals(replica: NodeReplica, part: torch.Tensor, count: int, samples: 
     """The node's (micro-batches, samples, loss sum, squared norm of its summed gradient, whether
     any rank's gradient was not finite, whether any rank's outer period elapsed): one small
     all-reduce, one host read."""
-    small = torch.zeros(6, dtype=torch.float64, device=part.device)
-    small[0], small[1], small[5] = count, samples, float(due)
-    small[2] = loss_sum.to(torch.float64) if torch.is_tensor(loss_sum) else float(loss_sum)
-    small[3] = torch.dot(part, part).to(torch.float64)  # this rank's slice: the node's norm adds up
-    small[4] = nonfinite_flag(grad_sum)
+    # this rank's slice's squares: the node's norm adds up
+    small = small_vector([count, samples, loss_sum, torch.dot(part, part), nonfinite_flag(grad_sum), float(due)],
+                         part.device)
     got = replica.agree(small)
     sq = got[3]
     if not math.isfinite(sq) and got[4] == 0:  # finite values whose fp32 squares overflowed (rare)

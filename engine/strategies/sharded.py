@@ -38,7 +38,7 @@ from acco_loco.acco import KeptHalf, RoundKind, step_gradient
 from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slice
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, to_host
+from ..host import nonfinite_flag, small_vector, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from .base import Strategy
 from .spec import MemorySpec, StrategySpec, sharded_round_parts, sharded_work
@@ -149,14 +149,11 @@ def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_ba
     """One small all-reduce carries counts, loss, the squared norm, every rank's flags and
     seconds per micro-batch; it is the round's one host read (engine/host.py)."""
     n, rank = ctx.comm.world_size, ctx.comm.rank
-    small = torch.zeros(4 + 3 * n, dtype=torch.float64, device=step_sum.device)
-    small[0], small[1] = req.count, req.samples
-    small[2] = req.loss_sum.to(torch.float64)
-    small[3] = torch.dot(step_sum, step_sum).to(torch.float64)  # fp32: one pass, no temporary
-    small[4 + rank] = float(req.exhausted)
-    small[4 + n + rank] = local_bad
-    small[4 + 2 * n + rank] = req.micro_batch_s  # one writer per slot: the sum is exact on every rank
-    small = to_host(ctx.comm.all_reduce_sum(small))
+    values: list = [req.count, req.samples, req.loss_sum, torch.dot(step_sum, step_sum)] + [0.0] * (3 * n)
+    values[4 + rank] = float(req.exhausted)  # (the dot in fp32: one pass, no temporary)
+    values[4 + n + rank] = local_bad
+    values[4 + 2 * n + rank] = req.micro_batch_s  # one writer per slot: the sum is exact on every rank
+    small = to_host(ctx.comm.all_reduce_sum(small_vector(values, step_sum.device)))
     round_count, round_samples, round_loss = int(small[0]), int(small[1]), float(small[2])
     own_bad = {i for i in range(n) if small[4 + n + i] > 0}
     if not own_bad and not math.isfinite(float(small[3])):

@@ -37,6 +37,7 @@ from acco_loco.registry import PSEUDO_GRAD_CODECS
 from acco_loco.tiled_topk import TiledTopK, tensor_segments
 from acco_loco.topk_codec import TopKCodec, aggregate
 
+from ..host import host_flag
 from ..rounds import RoundContext
 from .local_steps import LocalStepStrategy
 from .spec import ALIGN, padded, small_bytes
@@ -89,14 +90,15 @@ class SparseLoCo(LocalStepStrategy):
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
         cfg, comm, numel = ctx.cfg, ctx.comm, delta.numel()
         accumulate_error(self.error, delta, cfg.sparse_error_beta, self.error_scale)
-        payload, sent = self.codec.encode_with_decoded(self.error)
+        # the error is finite: the round agreed every Delta_w was, and a non-finite theta_sync is refused
+        payload, sent = self.codec.encode_with_decoded(self.error, check_finite=False)
         self.error.sub_(sent)  # what was not sent stays for later rounds
         gathered = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
         comm.all_gather(payload, gathered)
         combined = aggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel, cfg.sparse_aggregate,
                              self.clip)
         new = sparse_outer_step(self.theta_sync, combined, cfg.outer_lr)
-        if not bool(torch.isfinite(new).all()):  # the same verdict on every replica
+        if not host_flag(torch.isfinite(new).all()):  # the same verdict on every replica
             return False
         self.theta_sync.copy_(new)
         return True

@@ -186,3 +186,15 @@ def test_nccl_world2_replicas_agree():
     """Two ranks over NCCL (collectives on the comm stream): both replicas end bit-identical."""
     a, b = spawn(_nccl_world2, 2)
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_compute_dtype_casts_parameters_not_buffers():
+    """compute_dtype='bfloat16' casts the parameters; a float32 buffer (Llama's rotary
+    ``inv_freq``) keeps its dtype and its bits."""
+    model = tiny_model(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    model.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+    engine = Engine(model, EngineConfig(compute_dtype="bfloat16", max_steps=1, align=8), mse_loss)
+    engine.close()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, inv_freq)

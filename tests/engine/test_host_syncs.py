@@ -3,7 +3,10 @@ through engine/host.py's ``to_host`` (on a GPU each one waits for the device), a
 exactly two: the small all-reduce's counts and flags, and whether the gathered parameters are
 finite. A stray ``.item()``, ``float(t)``, ``bool(t)`` or ``.cpu()`` anywhere in a round fails
 this test. So does a tensor built from Python numbers (``torch.tensor(3.0, device=...)``: on a
-GPU a copy from pageable host memory, which waits), outside the sites listed in KNOWN_H2D. Each
+GPU a copy from pageable host memory, which waits), outside the sites listed in KNOWN_H2D, and a
+Python number written into an element of a tensor (``small[i] = 3.0``: on a GPU a blocking copy
+each, where a dead peer would hang the comm thread outside its time-limited poll). engine/host.py
+is where both are sanctioned: ``small_vector`` fills a host buffer and copies it once. Each
 case runs with the fused CPU kernels on and off (off: the code path a GPU runs).
 
 The local-step strategies' inner step on its accelerator path (engine/strategies/local_steps.py
@@ -55,17 +58,28 @@ def _caller() -> str:
     return "?"
 
 
+SANCTIONED = "engine/host.py:"  # the one module that may move host values to the device
+
+
 class CountHostReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
         self.from_host: list[str] = []  # where a tensor was built from Python numbers
+        self.set_numbers: list[str] = []  # where a Python number was written into a tensor's element
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS and args and not isinstance(args[0], HostTensor):
             self.reads.append(func.__name__)
         if func in FROM_HOST and args and not isinstance(args[0], torch.Tensor):
-            self.from_host.append(_caller())
+            site = _caller()
+            if not site.startswith(SANCTIONED):
+                self.from_host.append(site)
+        if func is torch.Tensor.__setitem__ and not isinstance(args[0], HostTensor) \
+                and not isinstance(args[2], torch.Tensor):
+            site = _caller()
+            if not site.startswith(SANCTIONED):
+                self.set_numbers.append(site)
         return func(*args, **(kwargs or {}))
 
 
@@ -106,6 +120,7 @@ def test_a_round_reads_the_device_twice(kw, fused, monkeypatch):
         with CountHostReads() as mode:
             result = real(ctx, req)
         per_round.append((list(mode.reads), len(calls), list(mode.from_host)))
+        assert mode.set_numbers == [], mode.set_numbers
         return result
     eng.strategy.run_round = run_round
     history = eng.fit(worker_stream(0, 40))
@@ -135,6 +150,7 @@ def test_a_local_sgd_round_reads_the_device_once(monkeypatch):
         with CountHostReads() as mode:
             result = real(ctx, req)
         per_round.append((list(mode.reads), len(calls)))
+        assert mode.set_numbers == [], mode.set_numbers
         return result
     eng.strategy.run_round = run_round
     history = eng.fit(worker_stream(0, 40))
@@ -148,6 +164,62 @@ def test_the_trap_sees_a_tensor_from_a_python_number():
         torch.tensor([3.0])
         torch.as_tensor(torch.ones(1))  # from a tensor: no host number
     assert len(mode.from_host) == 1
+
+
+def test_the_trap_sees_a_number_written_into_an_element():
+    small = torch.zeros(4)
+    with CountHostReads() as mode:
+        small[0] = 3.0  # on a GPU: a blocking copy from the host
+        small[1] = torch.ones(())  # device to device: no host wait
+        small[2:3].copy_(torch.ones(1))
+    assert len(mode.set_numbers) == 1
+
+
+def test_small_vector_copies_host_numbers_once_and_device_values_in_place():
+    from engine.host import small_vector
+
+    loss = torch.tensor(2.5, dtype=torch.float32)
+    with CountHostReads() as mode:
+        got = small_vector([3, 0.5, loss, True], torch.device("cpu"))
+    assert mode.set_numbers == [] and mode.from_host == [] and mode.reads == []
+    assert got.dtype == torch.float64 and got.tolist() == [3.0, 0.5, 2.5, 1.0]
+
+
+def test_small_vector_on_a_gpu_copies_from_pinned_memory_without_waiting():
+    """On (fake) CUDA: one host-to-device copy, from pinned memory, non-blocking (the device
+    values' copies are device to device: a fake CUDA tensor cannot ``copy_`` on a CPU-only build,
+    the CPU test above covers them)."""
+    from engine.host import small_vector
+    from tests.engine.fake_cuda import CUDA, fake_cuda
+
+    with fake_cuda() as (_, shim):
+        got = small_vector([1, 2.0, False], CUDA)
+    assert got.device == CUDA and got.shape == (3,)
+    assert shim.copies == [(CUDA, True, True)], shim.copies
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "sparseloco"])
+def test_an_outer_round_reads_the_device_through_to_host_only(strategy, monkeypatch):
+    """The outer round (comm thread): its small all-reduce and the new theta_sync's finiteness
+    are its host reads, both time-limited (``to_host``); no number is written into an element."""
+    calls: list[int] = []
+    monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
+    monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.host.to_host)
+    eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL, **OWN[strategy]), mse_loss)
+    real, per_round = eng.strategy.run_round, []
+
+    def run_round(ctx, req):
+        calls.clear()
+        with CountHostReads() as mode:
+            result = real(ctx, req)
+        per_round.append((list(mode.reads), len(calls), list(mode.set_numbers)))
+        return result
+    eng.strategy.run_round = run_round
+    history = eng.fit(worker_stream(0, 40))
+    eng.close()
+    assert len(history) == 6 and per_round
+    for reads, sanctioned, set_numbers in per_round:
+        assert reads == ["cpu"] * sanctioned and sanctioned == 2 and set_numbers == [], (reads, sanctioned)
 
 
 LOCAL = dict(micro_batches=2, accumulation="fixed", max_steps=6, align=8, lr=1e-2, weight_decay=0.1,
@@ -170,6 +242,7 @@ def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
             with CountHostReads() as mode:
                 entry = real()
             per_step.append((list(mode.reads), len(calls), list(mode.from_host)))
+            assert mode.set_numbers == [], mode.set_numbers
             return entry
         eng.loop.inner_step = inner_step
         history = eng.fit(worker_stream(0, 40))

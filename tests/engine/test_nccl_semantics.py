@@ -107,13 +107,76 @@ def test_process_group_settings(device, backend, monkeypatch):
     if backend == "nccl":
         # the backstop comes after the engine's own timeout and diagnosis (<= 0.84 timeout_s)
         assert seen["timeout"] == timedelta(seconds=2 * 100 + 60)
+        assert seen["device_id"] == torch.device(device)  # the group is bound to this rank's GPU
         import os
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a user's choice is kept
         comm.init_process_group(torch.device(device), 100.0)
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     else:
-        assert seen["timeout"] == timedelta(seconds=100)
+        assert seen["timeout"] == timedelta(seconds=100) and "device_id" not in seen
+
+
+def test_the_recipe_hands_the_backstop_to_accelerate(monkeypatch, tmp_path):
+    """accelerate makes the recipe's process group: under NCCL it gets the same backstop as the
+    engine's own (not timeout_s, at which NCCL's watchdog would end the process while the engine
+    is still naming the lost peer)."""
+    import accelerate
+
+    from recipes import finetune
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, **kw):
+            seen.update(kw)
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    for cuda, want in ((True, 2 * 100 + 60), (False, 100)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        finetune.make_accelerator(finetune.FinetuneConfig(timeout_s=100.0), tmp_path)
+        (handler,) = seen["kwargs_handlers"]
+        assert handler.timeout == timedelta(seconds=want) and seen["cpu"] is not cuda
+    import os
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+@pytest.mark.parametrize("device,backend,want", [("cuda", "nccl", 2 * 30 + 60), ("cpu", "gloo", 30)])
+def test_two_level_groups_time_out_with_the_engine(device, backend, want, monkeypatch):
+    """The node and rail groups get the default group's timeout for timeout_s, not torch's
+    default for new groups (10 or 30 minutes)."""
+    from torch.distributed import device_mesh
+
+    from engine import topology
+
+    seen = {}
+
+    class Options:
+        _timeout = None
+    if not hasattr(comm.dist, "ProcessGroupNCCL"):  # a CPU-only build
+        monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False)
+    monkeypatch.setattr(device_mesh, "init_device_mesh",
+                        lambda kind, shape, **kw: seen.update(kind=kind, **kw) or FakeMesh())
+    topology.build_groups(topology.Layout(2, 2, 0, 1), torch.device(device), timeout_s=30.0)
+    assert seen["kind"] == device and set(seen["backend_override"]) == {"node", "local"}
+    for name, opts in seen["backend_override"].values():
+        assert name == backend and opts._timeout == timedelta(seconds=want)
+
+
+class FakeMesh:
+    def get_group(self, name):
+        return name
+
+
+def test_the_comm_stream_has_high_priority(monkeypatch):
+    import engine.streams as streams
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append(priority) or object())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    worker = streams.CommWorker(torch.device("cuda", 0))
+    assert worker.close(timeout_s=5.0)
+    assert made == [streams.COMM_PRIORITY] and streams.COMM_PRIORITY < 0
 
 
 def test_the_engine_aborts_the_communicators_only_for_a_lost_peer():

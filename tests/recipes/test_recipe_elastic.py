@@ -70,3 +70,55 @@ def test_the_shared_rendezvous_store_is_warned_about(monkeypatch, caplog):
     warn_shared_elastic_store()
     assert not caplog.records
 
+
+
+def test_elastic_restart_agrees_over_the_host_group_not_the_nccl_default(tmp_path, monkeypatch):
+    """Under accelerate on GPUs the default group is NCCL only: a CPU tensor all-reduced there
+    fails (emulated here); the decision goes over the recipe's gloo group."""
+    import torch.distributed as dist
+
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-00000002\n")
+    host = object()
+    used = []
+
+    def all_reduce(t, op=None, group=None):
+        if group is None and t.device.type == "cpu":  # NCCL's default group
+            raise RuntimeError("No backend type associated with device type cpu")
+        used.append(group)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert elastic_restart(FinetuneConfig(output_dir=str(out)), out, host).resume
+    assert used == [host]
+
+
+def test_metrics_rows_are_gathered_in_batches_not_per_step(tmp_path, monkeypatch):
+    """One gather of every rank's entries per ROWS_PER_GATHER steps (and at a checkpoint or the
+    end of a piece), not one per step (that held the ranks in host lockstep); every step still gets
+    its row, with the wall time of its commit."""
+    from recipes import finetune
+
+    gathers = []
+    monkeypatch.setattr(finetune, "gather", lambda obj, group=None: gathers.append(len(obj)) or [obj, obj])
+
+    class Acc:
+        is_main_process = True
+
+        def log(self, *a, **k):
+            pass
+    log = finetune.RunLog(FinetuneConfig(), Acc(), tmp_path / "metrics.jsonl", 0.0, 0)
+    n = finetune.ROWS_PER_GATHER + 4
+    elapsed = 0.0
+    for step in range(1, n + 1):
+        entry = {"step": step, "loss": 1.0, "lr": 0.1, "samples": 2, "time_s": 0.5, "grad_norm": 1.0,
+                 "skipped": False, "wire_bytes": 8, "micro_batches": 1}
+        elapsed = log.commit(entry, elapsed, flush=step == n)
+    assert gathers == [finetune.ROWS_PER_GATHER, 4]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, n + 1)) and rows[-1]["elapsed_s"] == 0.5 * n
+    assert rows[-1]["wire_bytes"] == [8, 8] and rows[-1]["samples_total"] == 2 * n
+    assert all(a["wall"] <= b["wall"] for a, b in zip(rows, rows[1:]))
+    assert log.commit_rest(elapsed) == elapsed and gathers == [finetune.ROWS_PER_GATHER, 4]

@@ -1,0 +1,100 @@
+"""The engine's compiled encode + error feedback (acco_loco/compiled.py), checked on CPU: the
+reducer takes it where ``compiled.available`` says (a GPU with Triton), a failed compile falls
+back to the eager code with the error state untouched, and the compiled code gives the eager
+payload's bits (Inductor's C++ on CPU: slow; on a GPU benchmarks/gpu_check.py's codecs part)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from acco_loco import compiled, kernels
+from acco_loco.feedback import ErrorFeedback
+from acco_loco.feedback import compress as eager_compress
+from acco_loco.registry import make_codec
+from engine import Engine, EngineConfig
+from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    compiled.reset()
+    yield
+    compiled.reset()
+
+
+def _x(n=1024, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_only_a_gpu_with_triton_compiles(monkeypatch):
+    assert not compiled.available("cpu")
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    assert compiled.available("cuda")
+    monkeypatch.setenv("ACCO_LOCO_COMPILE", "0")
+    assert not compiled.available("cuda")
+
+
+def test_a_failed_compile_falls_back_to_eager_with_the_state_untouched(monkeypatch, caplog):
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("no Triton here")
+        return run
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    codec = make_codec("int4", group_size=128)
+    fb, ref = (ErrorFeedback("loco", 1024, device="cpu") for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="acco_loco"):
+        for seed in range(3):
+            got = compiled.compress(_x(seed=seed), codec, fb)
+            want = eager_compress(_x(seed=seed), codec, ref, check_finite=False)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert compiled.failed.startswith("RuntimeError: no Triton here")
+    assert sum("compiling the encode + error feedback failed" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(fb.error(), ref.error())
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    assert not compiled.available("cuda")  # given up for good
+
+
+def test_the_reducer_runs_the_compiled_path_where_available(monkeypatch):
+    """ACCO with loco4 on the torch path (the fused CPU kernels off, as on a GPU): with the
+    compiled path taken (torch.compile stubbed: the same function) the run is the eager run."""
+    calls = []
+
+    def run(compiled_on: bool):
+        monkeypatch.setattr(compiled, "available", lambda device: compiled_on)
+        monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: (lambda *a: calls.append(1) or fn(*a)))
+        compiled.reset()
+        kernels.use(False)
+        try:
+            eng = Engine(tiny_model(0), EngineConfig(strategy="acco", codec="loco4", param_codec="int8", lr=1e-2,
+                                                     micro_batches=2, accumulation="fixed", max_steps=4, align=8,
+                                                     group_size=8), mse_loss)
+            eng.fit(worker_stream(0, 40))
+            eng.close()
+        finally:
+            kernels.use(True)
+        return flat_params(eng.model)
+    eager = run(False)
+    assert calls == []
+    assert torch.equal(run(True), eager) and len(calls) >= 8  # every round's encode went through it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_compiled_encode_and_feedback_give_the_eager_payload(name):
+    """Really compiled (Inductor's C++ on CPU): the first round's payload and scales are the
+    eager bits; later rounds compensate ``x + q * scale`` (one rounding apart at most where a
+    multiply-add fuses differently), so their decoded values stay within that of eager's."""
+    codec = make_codec(name, group_size=128)
+    fb, ref = (ErrorFeedback("loco", 4096, device="cpu") for _ in range(2))
+    for seed in range(3):
+        p, s, sent = compiled.compress(_x(4096, seed), codec, fb)
+        wp, ws, wsent = eager_compress(_x(4096, seed), codec, ref, check_finite=False)
+        assert compiled.failed is None
+        if seed == 0:
+            assert torch.equal(p, wp) and torch.equal(s, ws) and torch.equal(sent, wsent)
+        else:
+            assert (sent - wsent).abs().max() <= 2 * s.max()  # at most one level of the codec apart
+            assert (p != wp).float().mean() < 0.01
