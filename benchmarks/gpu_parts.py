@@ -214,13 +214,17 @@ def codecs(args) -> dict:
         else:
             same = torch.equal(p_dev.cpu(), p_cpu) and torch.equal(s_dev.cpu(), s_cpu)
         bits_ok &= same
-        feedback = ErrorFeedback(n, kind="ef", beta=0.0, device=dev)
+        feedback = ErrorFeedback("loco", n, device=dev)
         step = _feedback_step(codec, feedback, compiled=False)
         rows[name] = {"bits_equal_cpu": same, "encode_feedback_gb_s": gbps(_device_time(lambda: step(x), args.repeats, dev))}
         if args.compile:
-            fast = _feedback_step(codec, ErrorFeedback(n, kind="ef", beta=0.0, device=dev), compiled=True)
+            fast = _feedback_step(codec, ErrorFeedback("loco", n, device=dev), compiled=True)
             rows[name]["compiled_gb_s"] = gbps(_device_time(lambda: fast(x), args.repeats, dev))
             rows[name]["compiled_vs_copy"] = copy_s / _device_time(lambda: fast(x), args.repeats, dev)
+            from acco_loco import compiled as compiled_codecs
+
+            rows[name]["compile_failed"] = compiled_codecs.failed  # None: the compiled code ran
+            bits_ok &= compiled_codecs.failed is None or dev.type != "cuda"
     topk = TopKCodec(chunk=4096, density=0.02, bits=2)
     same = torch.equal(topk.encode(x, check_finite=False).cpu(), topk.encode(x_cpu, check_finite=False))
     bits_ok &= same

@@ -348,6 +348,8 @@ class LocalStepStrategy(Strategy):
         self.done = stopping and self.cfg.outer_period_s is not None
         if self.plan.overlap:
             self.period_start = time.perf_counter()
+        if self.replica is not None:
+            self.replica.round_submitted()  # the round's epoch starts here (node_replica.py)
 
     def after_round(self, ctx: RoundContext, result: RoundResult) -> bool:
         """Install the round's theta_sync as theta_w (no overlap) or leave it for the next
@@ -362,6 +364,13 @@ class LocalStepStrategy(Strategy):
 
     # ------------------------------------------------------------------ comm side
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
+        try:
+            return self._outer_round(ctx, req)
+        finally:
+            if self.replica is not None:
+                self.replica.round_finished()
+
+    def _outer_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, t0 = ctx.comm, time.perf_counter()
         own = [comm] if self.replica is None else [comm, self.replica.rail, self.replica.outer_node]
         before = sum(c.sent for c in own)  # the compute thread's inner steps may send meanwhile

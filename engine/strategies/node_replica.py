@@ -12,14 +12,28 @@ the layout the sharded strategies' two-level exchange uses (engine/two_level.py 
 Two sets of groups: the inner steps run on the compute thread, the outer round on the comm
 thread, and a process group must not be used from two threads at once (outer_overlap runs
 both at the same time).
+
+Under NCCL the two threads' collectives also run over the same GPUs on different communicators,
+and NCCL asks that such collectives either never be in flight together or be launched in the
+same order on every rank (docs/DESIGN.md, GPU path: "collectives of two threads"). Here: epochs
+fixed in the compute thread's program order. The compute thread marks a round in flight just
+before it submits it (``round_submitted``, the same inner-step boundary on every rank); its next
+node collective waits until the comm thread has finished that round (``round_finished``: by
+then the round's host reads have seen its last collective complete). So every rank launches
+..., inner step b, the whole round, inner step b + 1, ...: no order to disagree on. The outer
+round still overlaps the next inner step's forward and backward; under gloo (no device
+kernels waiting on each other) the threads run freely.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
+import torch.distributed as dist
 
+from .. import host
 from ..comm import Comm
 from ..host import nonfinite_flag, small_vector, to_host
 from ..topology import Layout, build_groups
@@ -27,9 +41,17 @@ from ..two_level import gather_slices, slice_of
 
 
 class NodeReplica:
-    def __init__(self, layout: Layout, comm: Comm, device: torch.device, timeout_s: float | None = None):
+    EPOCHS: bool | None = None  # the default of ``epochs`` (None: under NCCL only)
+
+    def __init__(self, layout: Layout, comm: Comm, device: torch.device, timeout_s: float | None = None,
+                 epochs: bool | None = None):
         g, m = layout.ranks_per_node, layout.nodes
         self.layout = layout
+        # None: epochs under NCCL only (EPOCHS: tests force them on over gloo)
+        epochs = self.EPOCHS if epochs is None else epochs
+        self.epochs = dist.get_backend() == "nccl" if epochs is None else epochs
+        self._idle = threading.Event()  # set: no outer round in flight
+        self._idle.set()
         # every rank, this order
         inner, outer = build_groups(layout, device, timeout_s), build_groups(layout, device, timeout_s)
         self.inner_node = Comm(layout.local, g, comm.chunks, group=inner.node_group, peer_nodes=[0] * g,
@@ -39,9 +61,26 @@ class NodeReplica:
         self.rail = Comm(layout.node, m, comm.chunks, group=outer.rail_group, peer_nodes=list(range(m)),
                          counter=comm.counter)
 
+    # ------------------------------------------------------------------ epochs
+    def round_submitted(self) -> None:
+        """Compute thread, just before it submits an outer round."""
+        if self.epochs:
+            self._idle.clear()
+
+    def round_finished(self) -> None:
+        """Comm thread, once the round's last collective is done (or the round failed)."""
+        self._idle.set()
+
+    def _wait_for_round(self) -> None:
+        """Before a node collective of the compute thread: the round in flight must be done."""
+        if self.epochs and not self._idle.wait(host.wait_limit_s):
+            raise TimeoutError(f"the outer round in flight did not finish within {host.wait_limit_s:g} s: "
+                               "a collective is stuck (a peer lost or stalled?)")
+
     # ------------------------------------------------------------------ compute thread
     def node_sum(self, full: torch.Tensor) -> torch.Tensor:
         """The node's fp32 sum of this rank's slice of ``full`` (every rank's own gradient sum)."""
+        self._wait_for_round()
         lay, node = self.layout, self.inner_node
         m, g = lay.nodes, lay.ranks_per_node
         shard, dev = full.numel() // (m * g), full.device
@@ -52,10 +91,12 @@ class NodeReplica:
 
     def agree(self, small: torch.Tensor) -> list[float]:
         """A small float64 sum over the node's ranks (counts, flags): the same numbers on each."""
+        self._wait_for_round()
         return [float(x) for x in to_host(self.inner_node.all_reduce_sum(small))]
 
     def install(self, part: torch.Tensor, full: torch.Tensor) -> None:
         """Every rank's slice ``part`` into the node's whole buffer ``full`` (the model's)."""
+        self._wait_for_round()
         with torch.no_grad():
             gather_slices(self.inner_node, part, full, self.layout)
 

@@ -252,3 +252,50 @@ def test_outer_period_is_decided_per_node():
         assert torch.equal(runs[a]["params"], runs[b]["params"])
     assert all(torch.equal(r["sync"], runs[0]["sync"]) for r in runs)
     assert runs[0]["steps"] > runs[2]["steps"]  # the fast node took more inner steps
+
+
+def _epochs(rank: int, world: int) -> dict:
+    import time
+
+    from engine.strategies.node_replica import NodeReplica
+
+    out = {}
+    for forced in (False, True):
+        NodeReplica.EPOCHS = forced
+        engine = Engine(tiny_model(0), config("diloco", 3, outer_overlap=True), mse_loss)
+        replica, strategy, log = engine.strategy.replica, engine.strategy, []
+        real_round, real_sum = strategy._outer_round, replica.inner_node.reduce_scatter_sum
+
+        def outer(ctx, req, real_round=real_round, log=log):
+            log.append(("start", time.monotonic()))
+            time.sleep(0.3)  # a slow link: the compute side runs on meanwhile
+            try:
+                return real_round(ctx, req)
+            finally:
+                log.append(("end", time.monotonic()))
+
+        def node_sum(*a, real_sum=real_sum, log=log):
+            log.append(("node", time.monotonic()))
+            return real_sum(*a)
+        strategy._outer_round, replica.inner_node.reduce_scatter_sum = outer, node_sum
+        engine.fit(iter(worker_stream(rank, K * H * 4)))
+        engine.close()
+        out[forced] = {"params": flat_params(engine.model), "log": log, "epochs": replica.epochs}
+    NodeReplica.EPOCHS = None
+    return out
+
+
+def test_under_epochs_no_node_collective_runs_beside_an_outer_round():
+    """The NCCL rule (node_replica.py, DESIGN GPU path), forced on over gloo: with outer_overlap,
+    no inner-step node collective starts while an outer round is in flight, on any rank; the
+    results are the free-running run's, bit for bit."""
+    runs = spawn(_epochs, 4, env=_env(2), timeout=300)
+    for run in runs:
+        assert run[True]["epochs"] and not run[False]["epochs"]
+        assert torch.equal(run[True]["params"], run[False]["params"])
+        log = run[True]["log"]
+        rounds = [(t, next(u for k, u in log[i:] if k == "end")) for i, (k, t) in enumerate(log) if k == "start"]
+        assert len(rounds) == 3
+        nodes = [t for k, t in log if k == "node"]
+        assert len(nodes) == 3 * H
+        assert not [t for t in nodes for a, b in rounds if a < t < b]
