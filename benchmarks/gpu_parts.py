@@ -97,6 +97,8 @@ def nccl_world1(args) -> dict:
         return {"on_comm_stream": stream == worker.stream, "equal": [bool(v) for v in equal]}
     got = worker.submit(0, exchange).wait(60.0)
     torch.cuda.synchronize()
+    if getattr(args, "result", None):  # kept if NCCL's watchdog ends the process at the abort
+        Path(args.result).write_text(json.dumps({"ok": False, **got, "error": "the process ended at the abort"}))
     aborted = worker.abort()
     after = worker.submit(1, lambda: dist.all_reduce(torch.ones(1, device=dev)))
     try:
