@@ -1,6 +1,6 @@
 """1-bit Adam's math (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
 Adam's Convergence Speed", ICML 2021) on flat fp32 tensors: pure functions, no process groups
-(the round that moves the bytes is engine/strategies/onebit_adam.py; docs/DESIGN.md section 9).
+(the round that moves the bytes is engine/strategies/onebit_adam.py; docs/onebit_adam.md).
 
 After an AdamW warmup the second moment v is frozen at step T and one step k of the compressed
 stage is, for N workers with gradient sums x_w over c_w micro-batches (C = sum c_w), the shared

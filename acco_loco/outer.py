@@ -1,5 +1,5 @@
 """The outer step of the local-step strategies (diloco, sparseloco), as pure functions of flat
-fp32 tensors; docs/DESIGN.md section 8 states the whole round.
+fp32 tensors; docs/local_steps.md states the whole round.
 
 Every worker w holds the synchronised parameters ``theta_sync`` (the same on every replica) and
 its own ``theta_w`` after H inner optimizer steps taken alone. One outer round:

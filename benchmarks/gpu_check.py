@@ -1,4 +1,4 @@
-"""The first run on ONE GPU (docs/DESIGN.md, GPU path): what one H100 or H200 must show.
+"""The first run on ONE GPU (docs/gpu.md): what one H100 or H200 must show.
 
     python benchmarks/gpu_check.py --json docs/results/gpu_check_<gpu>.json
 

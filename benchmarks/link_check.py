@@ -2,7 +2,7 @@
 
 Builds an benchmarks.testbed.Testbed, runs gloo all_to_all_single of --mbytes per rank --iters
 times, each all_to_all split into 1, 8 and 16 pieces issued asynchronously (one large gloo
-collective reaches only about half the line rate, docs/DESIGN.md section 4), and prints the achieved rate per
+collective reaches only about half the line rate, docs/testbed.md), and prints the achieved rate per
 chunking next to the shaped rate (the physical limit), the TCP goodput ceiling, and the veth
 tx_bytes cross-check.
 

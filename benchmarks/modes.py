@@ -136,10 +136,10 @@ MODES: dict[str, Mode] = {
     "acco+int4": _engine("acco", "int4"),
     "acco+int4+int8": _engine("acco", "int4", "int8"),
     "dpu+ef8+bf16": _engine("dpu", "ef8", "bfloat16"),
-    # 1-bit Adam (docs/DESIGN.md section 9): AdamW until the variance rule freezes the second
+    # 1-bit Adam (docs/onebit_adam.md): AdamW until the variance rule freezes the second
     # moment, then 1-bit momentum both ways; one round per step, synchronous
     "onebit-adam": _engine("onebit_adam"),
-    # local steps (docs/DESIGN.md section 8): an outer round every H inner steps; the outer lr
+    # local steps (docs/local_steps.md): an outer round every H inner steps; the outer lr
     # and momentum, density and error decay are the engine's defaults (DiLoCo's 0.7 / 0.9,
     # SparseLoCo's 2% top-k of 4096-value chunks, 2-bit values, beta 0.95)
     "diloco-h15": _engine("diloco", inner_steps=15),

@@ -1,4 +1,4 @@
-"""Bytes through one node's network link per optimizer step, by formula (docs/DESIGN.md section 4).
+"""Bytes through one node's network link per optimizer step, by formula (docs/testbed.md).
 
 M nodes of G ranks (N = M x G, ranks numbered node by node as torchrun numbers them), one link
 per node; S = the fp32 gradient's bytes (4 x parameters). What crosses a node's link is what its
@@ -125,7 +125,7 @@ def node_link_bytes_over_s(name: str, nodes: int, ranks_per_node: int) -> float:
 
 
 def table(ranks_per_node: int = 8, nodes: tuple[int, ...] = (2, 8, 64)) -> list[dict]:
-    """One row per formula: {"name", "M=2": x S, ...} (the README table)."""
+    """One row per formula: {"name", "M=2": x S, ...} (the table in docs/nodes.md)."""
     return [{"name": name, **{f"M={m}": node_link_bytes_over_s(name, m, ranks_per_node) for m in nodes}}
             for name in FORMULAS]
 

@@ -6,7 +6,7 @@ communication), its link rate and its batch; never from its step time. The comm 
 the testbed profile's stated constants (engine/planner/hardware.py ``TESTBED_CONSTANTS``), which
 ``measure_constants`` recomputes from the same JSONs' thread CPU counters.
 
-    python -m benchmarks.plan_validate            # the table of docs/DESIGN.md section 12.4
+    python -m benchmarks.plan_validate            # the table of docs/planning.md, "Validation on the testbed"
 
 It lives with the benchmarks, not in the planner: it names the benchmark's modes and reads the
 repository's docs/results, which an installed engine does not have.
@@ -61,7 +61,7 @@ HETERO_SPEEDS = (1.0, 1.0, 2.0)
 # a file whose compute-only pace, measured before every seed and at the end, moved by more than
 # this factor ran on a machine shared with other load: the pace measured beside its runs does not
 # describe them (bench_1gbit_b16_loss_3seeds: 22.1-33.8 samples/s, load average 2.6-2.8 on 2 cores;
-# bench_b16_seed0: 28.8 -> 21.6, "a busier machine" in the README; sweep_1gbit_b64: 24.1-37.3)
+# bench_b16_seed0: 28.8 -> 21.6, "a busier machine" in docs/results.md; sweep_1gbit_b64: 24.1-37.3)
 LOADED_SPREAD = 1.3
 
 

@@ -1,4 +1,4 @@
-"""The README's projections (docs/DESIGN.md section 12.7): 1B, 8B and 70B dense models on nodes
+"""The projections of docs/planning.md ("Projections"): 1B, 8B and 70B dense models on nodes
 of 8 H100s, 2, 8 and 64 nodes, 1, 10 and 100 Gbit/s per node link, and the sanity checks
 against published figures.
 

@@ -1,7 +1,7 @@
 """The benchmark's statistics and tables: per-mode medians over seeds (:func:`aggregate`), time to
 the target held-out loss, the ratios against the protocol's reference mode, the held-out loss at
 equal samples against the reference's (seed against seed) and the overlap efficiency of
-docs/DESIGN.md section 4 (:func:`add_derived`), the markdown table and the verdict lines."""
+docs/testbed.md (:func:`add_derived`), the markdown table and the verdict lines."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def mode_row(args, mode: str, best: tuple[float, list[dict]], lrs: dict[float, l
 
 def add_derived(out: list[dict], workers: int, rate: str, micro_batch: int, reference: str | None = None) -> None:
     """Ratios against the reference mode, the held-out loss at equal samples against the
-    reference's (:func:`loss_vs_reference`), and docs/DESIGN.md section 4's overlap efficiency:
+    reference's (:func:`loss_vs_reference`), and docs/testbed.md's overlap efficiency:
     the physical limit of a (median) step, max(its samples at the compute-only pace of its
     micro-batch, its wire bytes over the link), over the measured median step time."""
     link = parse_rate(rate) / 8

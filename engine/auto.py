@@ -1,5 +1,5 @@
 """``strategy="auto"`` (opt-in): the engine chooses its strategy and codecs at start from the
-planner and a probe of the cluster it runs on (docs/DESIGN.md section 12.6).
+planner and a probe of the cluster it runs on (docs/planning.md, "strategy=auto").
 
 Among the strategies whose spec says their update is AdamW's (never a local-step method, never
 1-bit Adam), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas (a
@@ -100,7 +100,7 @@ def choose_strategy(cfg, model: torch.nn.Module):
             mode = Mode(strategy, codec, param_codec)
             per_step = cfg.global_micro_batches or cfg.micro_batches * world * mode.rounds
             if cfg.global_micro_batches is not None and per_step < mode.rounds * world:
-                continue  # each round needs a micro-batch per worker (docs/DESIGN.md section 1.1)
+                continue  # each round needs a micro-batch per worker (docs/design/rounds.md)
             t = step_time(mode, shape, layout, hw, Batch(per_step, 1), ws)
             scored.append((t.step_s / per_step, mode, t))
     best = min(s for s, _, _ in scored)

@@ -3,7 +3,7 @@ sum -> the fp32 sum of its owned shard) and parameter gatherers (each owner's ne
 full buffer every replica holds). Plain and compressed variants behind one interface each.
 
 Low-bit values cannot be summed inside gloo/NCCL, so the compressed reduce-scatter is an
-all_to_all of packed slices that each owner decodes and sums in fp32 (docs/DESIGN.md section 2).
+all_to_all of packed slices that each owner decodes and sums in fp32 (docs/design/wire.md).
 Each row a worker sends to owner j holds: the packed payload of shard j, its scales, and the
 sender's micro-batch count (the weight). Workers send their *mean* micro-batch gradient, so the
 error state stays in one unit whatever the count of a round; the owner weights by the count.

@@ -84,7 +84,7 @@ def default_store():
 
 class LinkBytes:
     """Bytes this worker sent, split by the link they cross: ``intra`` to ranks on its own node,
-    ``inter`` to ranks on other nodes (docs/DESIGN.md section 11). Every Comm of a worker (the
+    ``inter`` to ranks on other nodes (docs/nodes.md). Every Comm of a worker (the
     world, its node, its rail) adds to one of these."""
 
     def __init__(self) -> None:

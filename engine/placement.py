@@ -1,5 +1,5 @@
 """Device placement of micro-batches: the engine, not the user, moves every batch to the model's
-device (docs/DESIGN.md, "GPU path").
+device (docs/gpu.md).
 
 ``to_device(batch, device)`` moves every tensor nested in dicts (and other mappings, Hugging
 Face ``BatchEncoding`` included), lists, tuples, named tuples and dataclasses; everything else

@@ -3,7 +3,7 @@
 Predicts, for every strategy and codec the engine has (and torch DDP), the step time, the bytes
 through each node's link, the training state and activations per GPU, whether they fit its
 memory, and the measured loss per sample against AdamW, then recommends one that fits and says
-why, or, when none fits, what would (docs/DESIGN.md section 12, README "Planning a run"). The
+why, or, when none fits, what would (docs/planning.md). The
 measured losses come from the benchmark JSONs of --results (default ./docs/results: run it from
 the repository's root, or name the folder).
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one GPU's memory, GiB (default: the H100 80GB's {H100_MEM_GIB}; with --cpu-testbed: not checked)")
     c.add_argument("--samples-per-s", type=float, default=0.0, help="measured samples/s per worker (overrides FLOPs x MFU)")
     c.add_argument("--cpu-testbed", action="store_true",
-                   help="price the comm side as the CPU testbed does (one core per worker, gloo; docs/DESIGN.md 10.3)")
+                   help="price the comm side as the CPU testbed does (one core per worker, gloo; docs/planning.md)")
     c.add_argument("--measure", action="store_true",
                    help="probe the cluster this runs on (under torchrun): link rates and compute instead of the flags")
     b = ap.add_argument_group("batch")

@@ -1,7 +1,7 @@
 """Resume at another world size: re-cut the state of N workers' checkpoint files for N' workers.
 
 Every rank of the new run reads all N rank files (verified as usual) and builds the state dict its
-``Engine.load_state_dict`` takes, by one rule per tensor (docs/DESIGN.md section 6):
+``Engine.load_state_dict`` takes, by one rule per tensor (docs/elastic.md, "Checkpoints"):
 
   shard    the ZeRO-1 master and moments, 1-bit Adam's server error: concatenated in rank order,
            cut to the model's values, padded to the new buffer and sliced to the new shards

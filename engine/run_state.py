@@ -92,7 +92,7 @@ class RunState:
     def record(self, *, step: int, loss: float, lr: float, samples: int, micro_batches: int,
                global_micro_batches: int | None, grad_norm: float | None, skipped: bool,
                bad_ranks: list[int], min_micro_batches: int, **more) -> dict:
-        """Append a committed step's history entry (docs/DESIGN.md section 2; StepResult's
+        """Append a committed step's history entry (docs/design/wire.md; StepResult's
         fields): the given fields, the rounds and bytes since the last entry, its wall time, the
         bytes sent within and across nodes, and ``more`` (local steps: ``outer``)."""
         now = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StepResult:
-    """A committed step: the fields of its ``engine.history`` entry (docs/DESIGN.md section 2)."""
+    """A committed step: the fields of its ``engine.history`` entry (docs/api.md)."""
 
     step: int  # committed steps so far (local-step strategies: this worker's inner steps)
     loss: float  # mean loss of the step's micro-batches (sharded: over every worker's)

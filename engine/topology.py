@@ -12,7 +12,7 @@ number the ranks node by node (rank = node * G + local). ``topology`` (EngineCon
   which is the same exchange as before on one node or with one rank per node.
 
 The two levels are a 2-D DeviceMesh (node x local), as FSDP2/HSDP build theirs: the "local"
-dimension is a node's group, the "node" dimension a rail. docs/DESIGN.md section 11.
+dimension is a node's group, the "node" dimension a rail. docs/nodes.md.
 """
 
 from __future__ import annotations

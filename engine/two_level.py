@@ -1,5 +1,5 @@
 """The two-level exchange of a sharded round: full precision inside the node, only the node's
-sum across the link (docs/DESIGN.md section 11).
+sum across the link (docs/nodes.md).
 
 With M nodes of G ranks and shards of S values, the flat buffer is seen as [M, G, S]: chunk
 m * G + l is rank (m, l)'s shard, as in the flat layout, so master shards, optimizer moments,

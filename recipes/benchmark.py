@@ -11,7 +11,7 @@ samples per optimizer step::
     python recipes/benchmark.py --rate 20mbit --samples 1536 --local-samples-factor 4 \
         --modes torch-ddp,torch-ddp+powersgd4,diloco-h15,sparseloco-h15,sparseloco-h15+overlap
 
-What it does (docs/DESIGN.md section 4):
+What it does (docs/testbed.md):
 
 * builds a testbed of ``--workers`` namespaces, each behind a ``tbf`` link of ``--rate`` both
   ways (``--delay-ms`` needs the netem qdisc and is refused clearly where the kernel lacks it),

@@ -1,4 +1,4 @@
-"""The loop of the local-step strategies (diloco, sparseloco; docs/DESIGN.md section 8).
+"""The loop of the local-step strategies (diloco, sparseloco; docs/local_steps.md).
 
 Every round boundary is one inner optimizer step of this worker alone, and an outer round is
 submitted only when the strategy says one is due. ``max_steps`` and the history count inner

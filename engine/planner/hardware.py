@@ -6,7 +6,7 @@ Two kinds of profile:
 - ``gpu(...)``: compute on the accelerator at a stated FLOP rate x MFU (or a measured samples/s);
   the comm side's kernels (codec passes, the shard's AdamW) are memory-bound and priced at a
   fraction of HBM bandwidth; they run on the comm stream beside compute (``shares_core=False``).
-- ``cpu_testbed(...)``: the project's benchmark machine (docs/DESIGN.md section 4.2): one core per
+- ``cpu_testbed(...)``: the project's benchmark machine (docs/testbed.md, "The testbed: real links on one machine"): one core per
   worker, gloo over a shaped veth. The comm thread and gloo's threads share the worker's one core
   with compute (``shares_core=True``), so their CPU adds to the step. The constants below are
   measured from docs/results (``thread_cpu_s_per_rank`` over steps, medians over the matched-batch

@@ -1,7 +1,7 @@
 """Bytes per GPU of the training state (activations: engine/planner/activations.py), from
-docs/DESIGN.md sections 3.1, 8.5 and 9.5. Each strategy names the formula its state follows
-(its spec's ``MemorySpec``, engine/strategies/spec.py); the numbers are here, one function per
-formula.
+docs/design/zero1.md, docs/local_steps.md and docs/onebit_adam.md: memory per parameter. Each
+strategy names the formula its state follows (its spec's ``MemorySpec``,
+engine/strategies/spec.py); the numbers are here, one function per formula.
 
 Per trainable parameter, e = compute dtype bytes, N = ranks sharing the optimizer, g = codec group,
 G = ranks per node:

@@ -31,7 +31,7 @@ class Mode:
     strategy: str  # torch-ddp, or a registered strategy (engine/strategies STRATEGIES)
     codec: str = "none"  # gradient codec (engine cfg.codec)
     param_codec: str = "auto"  # engine cfg.param_codec: auto (compute dtype) | int8 | int4 | float32 | bfloat16
-    exchange: str = "flat"  # flat | two-level (docs/DESIGN.md / issue 22: full precision inside the node)
+    exchange: str = "flat"  # flat | two-level (docs/nodes.md / issue 22: full precision inside the node)
     ddp_dtype: str = "float32"  # torch DDP's all-reduce dtype (bf16 = the bf16 compress hook)
     inner_steps: int = 15  # local-step strategies: optimizer steps between rounds (H)
     outer_overlap: bool = False  # local-step strategies: the round travels behind the next H steps

@@ -1,5 +1,5 @@
 """``--measure`` and ``strategy="auto"``: probe the cluster this process runs on instead of taking
-rates on trust (docs/DESIGN.md section 12.5).
+rates on trust (docs/planning.md, "--measure").
 
 Over the current process group (gloo or NCCL; initialised from the launcher's env if needed):
 

@@ -2,7 +2,7 @@
 
 Each figure is a benchmark JSON's ``loss_vs_ref_pct``: the held-out loss at equal samples
 against torch DDP's (AdamW, the same lr sweep and data order), median over the seeds both ran
-(recipes/benchmark.py, docs/DESIGN.md section 4.3). Caveats, which travel with every figure: a
+(recipes/benchmark.py, docs/testbed.md, "Like for like"). Caveats, which travel with every figure: a
 4.87M-parameter GPT-2 on byte-level Shakespeare, 2 or 3 workers, 768-3072 samples (a few hundred
 steps at most), 1-3 seeds; runs of one mode differ by a few tenths of a percent between seeds.
 They say whether a mode keeps AdamW's loss per sample at that scale, not what it does at 1B-70B.
@@ -12,7 +12,7 @@ The figures come from the folder the caller names (``python -m engine.plan --res
 ./docs/results), never from the source tree: an installed engine has none.
 
 ``samples_factor`` turns the same runs into what a user pays for: the samples a mode needs to
-reach AdamW's loss, over AdamW's own (docs/DESIGN.md section 12.8). Per seed, against that
+reach AdamW's loss, over AdamW's own (docs/planning.md, "Samples to AdamW's loss, and the soonest mode"). Per seed, against that
 seed's torch DDP run: where the mode reaches DDP's final held-out loss, the samples at which it
 does (linear between eval points) over the samples at which DDP did; where it does not, its
 whole budget over the samples at which DDP had the mode's final loss (what the mode's run was
@@ -58,7 +58,7 @@ def scored_like_ddp(doc: dict, row: dict) -> bool:
     """Whether ``row``'s held-out loss is on DDP's held-out sequences: JSONs made before the
     benchmark fixed the eval batches (no ``eval_micro_batch`` in their config) scored each mode on
     batches of its own micro-batch, so a row at another micro-batch than the command's (ACCO's
-    half) saw a different set (README "Results", the correction)."""
+    half) saw a different set (docs/results.md, the held-out correction)."""
     cfg = doc.get("config", {})
     return "eval_micro_batch" in cfg or row.get("micro_batch") in (None, cfg.get("micro_batch"))
 

@@ -1,4 +1,4 @@
-"""A step's time from the strategy's round timeline (docs/DESIGN.md section 12.2).
+"""A step's time from the strategy's round timeline (docs/planning.md, "Time").
 
 Per worker, with T_c the forward + backward of its samples, a round's comm side
 ``work`` (shard optimizer, copies, codec passes), ``intra`` and ``inter`` its transfer times

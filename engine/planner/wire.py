@@ -2,8 +2,9 @@
 
 A strategy's spec gives one round's bytes per rank over a flat group, by collective
 (engine/strategies/spec.py): the counts are ``Comm``'s (engine/comm.py), built from the codecs'
-own ``wire_bytes``, so that they match the engine's counters exactly (docs/DESIGN.md sections
-2.2, 3.2, 8.6, 9.4). Here they are put on the links they cross, the same way for every strategy.
+own ``wire_bytes``, so that they match the engine's counters exactly (docs/design/wire.md,
+docs/design/zero1.md, docs/local_steps.md, docs/onebit_adam.md). Here they are put on the links
+they cross, the same way for every strategy.
 
 Through one node's network link (G ranks per node, M nodes; ranks ordered node by node): a
 flat all-to-all sends G (N - G) of the N (N - 1) rows across nodes, i.e. G (M-1)/M of the
@@ -51,7 +52,7 @@ def flat_node_link(cross: float, parts: dict, nodes: int) -> float:
     """Through one node's link, of a flat exchange's per-rank counts: an all-to-all sends
     ``cross`` (= G (N-G)/(N-1)) of every rank's rows across; a ring all-gather ordered node by node
     crosses each node boundary once, carrying one rank's count (the testbed's node counters
-    measure this: README "Nodes", benchmarks/node_bytes.py)."""
+    measure this: docs/nodes.md, benchmarks/node_bytes.py)."""
     return cross * (parts["all_to_all"] + parts["small"]) + (parts["all_gather"] if nodes > 1 else 0.0)
 
 

@@ -1,7 +1,7 @@
 """diloco: every worker takes H inner optimizer steps alone, then the workers average their
 pseudo-gradients and move the synchronised parameters with outer Nesterov SGD (Douillard et al.,
 "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv 2311.08105; their
-outer lr 0.7 and momentum 0.9 are the defaults). docs/DESIGN.md section 8.
+outer lr 0.7 and momentum 0.9 are the defaults). docs/local_steps.md.
 
 One outer round, for worker w with theta_w after its inner steps and n_w samples in the period:
 
@@ -19,7 +19,7 @@ all-reduce, and every replica gets the same bits. Per worker and round:
     bytes = 2 (N - 1) (P / N) e + 2 (N - 1) (2 + 4 N) 8 / N        (e = 4 for float32, 2 for bfloat16)
 
 With ``outer_overlap`` the workers keep stepping while the round travels and merge its result one
-round later (engine/strategies/local_steps.py, DESIGN section 8):
+round later (engine/strategies/local_steps.py, docs/local_steps.md):
 
     at the boundary that ends period t:   theta_w += theta_sync_t - s_w     (if round t-1 was sent)
                                           s_w = theta_w;  Delta_w = theta_sync_t - s_w;  send round t

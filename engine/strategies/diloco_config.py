@@ -1,5 +1,5 @@
 """The ``diloco`` section: what only diloco reads (its outer SGD and the pseudo-gradient's wire
-dtype; docs/DESIGN.md section 8.2). The shared local-step settings are the ``outer`` section
+dtype; docs/local_steps.md, "The outer round"). The shared local-step settings are the ``outer`` section
 (outer_config.py). No torch and no runtime here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What diloco and sparseloco share (docs/DESIGN.md section 8): every worker takes inner optimizer
+"""What diloco and sparseloco share (docs/local_steps.md): every worker takes inner optimizer
 steps alone on its own full copy of the parameters, and an outer round every H inner steps moves
 the synchronised parameters ``theta_sync`` (the same on every replica) by the workers' combined
 pseudo-gradients ``Delta_w = theta_sync - theta_w``.

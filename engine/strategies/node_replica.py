@@ -1,4 +1,5 @@
-"""A node as one replica of a local-step strategy (diloco, sparseloco; docs/DESIGN.md section 11.6).
+"""A node as one replica of a local-step strategy (diloco, sparseloco; docs/nodes.md,
+"diloco and sparseloco: a node as one replica").
 
 With the two-level layout (M nodes of G ranks), the G ranks of a node take every inner step
 together: the node's fp32 sum of their gradients is reduce-scattered inside the node, each rank
@@ -15,7 +16,7 @@ both at the same time).
 
 Under NCCL the two threads' collectives also run over the same GPUs on different communicators,
 and NCCL asks that such collectives either never be in flight together or be launched in the
-same order on every rank (docs/DESIGN.md, GPU path: "collectives of two threads"). Here: epochs
+same order on every rank (docs/gpu.md, "Collectives of two threads under NCCL"). Here: epochs
 fixed in the compute thread's program order. The compute thread marks a round in flight just
 before it submits it (``round_submitted``, the same inner-step boundary on every rank); its next
 node collective waits until the comm thread has finished that round (``round_finished``: by

@@ -1,5 +1,5 @@
 """onebit_adam: 1-bit Adam on the ZeRO-1 engine (Tang et al., ICML 2021; the math is
-acco_loco/onebit.py, the exact form and the choices are docs/DESIGN.md section 9).
+acco_loco/onebit.py, the exact form and the choices are docs/onebit_adam.md).
 
 Warmup: the engine's ZeRO-1 AdamW round as it is (ShardedStrategy), one round per step, until
 ``onebit_warmup_steps`` AdamW steps, or, when that is None, until the L1 norm of the
@@ -74,7 +74,7 @@ class CompressedState:
 
 class OnebitAdam(ShardedStrategy):
     # two-level: a node is one 1-bit Adam worker; each rank keeps its slice of the state and its
-    # rail carries the 1-bit rows (docs/DESIGN.md section 11.5)
+    # rail carries the 1-bit rows (docs/nodes.md, "1-bit Adam over the rails")
     two_level = True
     sections = ("onebit",)  # its settings: engine/strategies/onebit_config.py
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
@@ -100,7 +100,7 @@ class OnebitAdam(ShardedStrategy):
 
     @classmethod
     def codec_groups(cls, cfg) -> list[int]:
-        return [cfg.group_size]  # its momentum goes out in sign1 groups after the warmup (DESIGN section 9)
+        return [cfg.group_size]  # its momentum goes out in sign1 groups after the warmup (docs/onebit_adam.md)
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -1,5 +1,5 @@
-"""The ``onebit`` section: the settings of 1-bit Adam (strategy onebit_adam, docs/DESIGN.md
-section 9), which reads it (its class attribute ``sections``). Registered by name in
+"""The ``onebit`` section: the settings of 1-bit Adam (strategy onebit_adam,
+docs/onebit_adam.md), which reads it (its class attribute ``sections``). Registered by name in
 engine/strategies/__init__.py ``SECTIONS``; no torch and no runtime here."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The ``outer`` section: what the local-step strategies diloco and sparseloco share (docs/DESIGN.md
-section 8): how many inner steps between outer rounds, the outer lr, overlap and the period. Each
+"""The ``outer`` section: what the local-step strategies diloco and sparseloco share
+(docs/local_steps.md): how many inner steps between outer rounds, the outer lr, overlap and the period. Each
 also reads a section of its own (diloco_config.py, sparseloco_config.py). Registered by name in
 engine/strategies/__init__.py ``SECTIONS``; no torch and no runtime here, so that the config
 lists and checks these settings without importing the strategies."""

@@ -6,7 +6,7 @@
     all-gather the new shards; a commit installs the proposal once all of them are finite
 
 A strategy changes what a round carries in (``carried``: ACCO's kept estimate half) and what it
-keeps for later (``keep``); the rest is here. Skips and stops follow docs/DESIGN.md section 1.5.
+keeps for later (``keep``); the rest is here. Skips and stops follow docs/design/rounds.md, "Non-finite gradients and updates".
 
 Pipelining (``comm_chunks`` pieces of the shard, engine/collectives.py): inside the
 reduce-scatter, piece k+1 is encoded while piece k is on the wire and piece k-1 is decoded as it

@@ -1,6 +1,6 @@
 """sparseloco: diloco's inner steps, with the outer momentum replaced by error feedback and the
 pseudo-gradient sent as a chunked top-k of 2-bit values (Sarfi et al., "Communication Efficient
-LLM Pre-training with SparseLoCo", arXiv 2508.15706). docs/DESIGN.md section 8.
+LLM Pre-training with SparseLoCo", arXiv 2508.15706). docs/local_steps.md.
 
 One outer round, for worker w with theta_w after its inner steps and n_w samples in the period:
 

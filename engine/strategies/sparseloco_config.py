@@ -1,5 +1,5 @@
 """The ``sparseloco`` section: what only sparseloco reads (its top-k codec and error feedback;
-docs/DESIGN.md section 8.6). The shared local-step settings are the ``outer`` section
+docs/local_steps.md, "The top-k codec and the bytes per round"). The shared local-step settings are the ``outer`` section
 (outer_config.py). No torch and no runtime here."""
 
 from __future__ import annotations

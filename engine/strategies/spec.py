@@ -82,7 +82,7 @@ class StrategySpec:
 
 
 def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
-    """One round of the sharded exchange (engine/comm.py, docs/DESIGN.md 2.2, 3.2), per rank, S =
+    """One round of the sharded exchange (engine/comm.py, docs/design/wire.md and zero1.md), per rank, S =
     P / N of the padded buffer: reduce-scatter (N-1) S e, or (N-1)(wire_bytes(S) + 4) under a
     gradient codec (+ its 4-byte count weight); all-gather (N-1) S e_p, or (N-1) wire_bytes(S)
     of low-bit deltas; the small all-reduce of 4 + 3N values."""

@@ -1,4 +1,4 @@
-"""1-bit Adam's math (acco_loco/onebit.py, docs/DESIGN.md section 9) without process groups: one
+"""1-bit Adam's math (acco_loco/onebit.py, docs/onebit_adam.md) without process groups: one
 compressed step of N workers against a float64 reference of its equations, the error-feedback
 sum property, the mask of unused values, the rows on the wire, and the freeze rule."""
 

@@ -1,6 +1,6 @@
 """diloco and sparseloco (engine/strategies/diloco.py, sparseloco.py) in gloo groups of 2 and 3
-against float64 references of their equations written out sequentially (docs/DESIGN.md
-section 8): one and three outer rounds, with and without overlap; replicas' theta_sync
+against float64 references of their equations written out sequentially
+(docs/local_steps.md): one and three outer rounds, with and without overlap; replicas' theta_sync
 bit-identical; bytes per round equal to the formula; bit-exact resume; refused configurations."""
 
 from __future__ import annotations

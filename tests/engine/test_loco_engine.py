@@ -1,6 +1,6 @@
 """LoCo inside the engine: compressed reduce-scatter against a dequantize-and-sum reference in
 gloo groups of 2 and 4, bit-identical replicas with delta parameter all-gathers, the wire budget
-of docs/DESIGN.md section 3 from history, and error state surviving a resume."""
+of docs/design/zero1.md from history, and error state surviving a resume."""
 
 from __future__ import annotations
 

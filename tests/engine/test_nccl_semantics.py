@@ -1,4 +1,4 @@
-"""What a lost peer does under NCCL, on CPU with mocks (no GPU here; docs/DESIGN.md "GPU path"):
+"""What a lost peer does under NCCL, on CPU with mocks (no GPU here; docs/gpu.md):
 an NCCL collective on a dead peer never returns an error to the host (its kernel spins), so the
 comm thread's device reads are time-limited polls (engine/host.py ``wait_until``), the engine
 aborts the communicators after naming the peer (streams.CommWorker.abort), which wakes the comm

@@ -1,5 +1,6 @@
-"""diloco and sparseloco with a node as one replica (engine/strategies/node_replica.py, docs/DESIGN.md
-section 11.6), M nodes of G ranks in real gloo groups, against float64 references: each node
+"""diloco and sparseloco with a node as one replica (engine/strategies/node_replica.py,
+docs/nodes.md, "diloco and sparseloco: a node as one replica"), M nodes of G ranks in real gloo
+groups, against float64 references: each node
 takes AdamW steps on the mean gradient of all its ranks' micro-batches, and the outer step runs
 on the nodes' pseudo-gradients (sparseloco's top-k per rank slice, as each rank sends its own).
 Also: every rank of a node holds the same parameters after every inner step; theta_sync is the
@@ -286,7 +287,7 @@ def _epochs(rank: int, world: int) -> dict:
 
 
 def test_under_epochs_no_node_collective_runs_beside_an_outer_round():
-    """The NCCL rule (node_replica.py, DESIGN GPU path), forced on over gloo: with outer_overlap,
+    """The NCCL rule (node_replica.py, docs/gpu.md), forced on over gloo: with outer_overlap,
     no inner-step node collective starts while an outer round is in flight, on any rank; the
     results are the free-running run's, bit for bit."""
     runs = spawn(_epochs, 4, env=_env(2), timeout=300)

@@ -1,4 +1,4 @@
-"""onebit_adam (engine/strategies/onebit_adam.py, docs/DESIGN.md section 9) in gloo groups of 2
+"""onebit_adam (engine/strategies/onebit_adam.py, docs/onebit_adam.md) in gloo groups of 2
 and 3 and at world 1 against a float64 sequential reference of AdamW warmup + compressed steps:
 replicas bit-identical, bytes per compressed step (the formula, at most 1/25 of fp32 zero1's),
 the unused-parameter mask, clipping, bf16 compute, the freeze rule, bit-exact resume across the

@@ -41,7 +41,7 @@ def test_testbed_step_times_within_the_stated_bounds():
     # them the largest miss is torch DDP at 1 Gbit/s in sweep_1gbit_b16 (0.877 s, where the 3-seed
     # file measured 0.638 s for the same configuration at the same pace): 25.9%, over the 25%
     assert s["clean_max_abs_error"] <= 0.27, validate.table(rows)
-    assert s["max_abs_error"] <= 0.40, validate.table(rows)  # the loaded file, documented in DESIGN 10.4
+    assert s["max_abs_error"] <= 0.40, validate.table(rows)  # the loaded file: docs/planning.md
     # the engine rows alone (DDP's rows calibrate the link efficiency)
     assert s["engine_rows"] >= 12 and s["engine_median_abs_error"] <= 0.10
     assert s["engine_clean_max_abs_error"] <= 0.25
@@ -226,7 +226,7 @@ def test_loss_per_sample_comes_from_the_measured_tables():
     from engine.planner.quality import quality
 
     acco = quality(Mode("acco", "loco4", "int4"), RESULTS)
-    assert acco.sources and -1.0 < acco.loss_vs_adamw_pct < 1.5  # the README's matched-batch rows
+    assert acco.sources and -1.0 < acco.loss_vs_adamw_pct < 1.5  # the matched-batch rows of docs/results.md
     assert quality(Mode("sparseloco"), RESULTS).loss_vs_adamw_pct > 10  # +16-18% per sample at H = 15
     assert quality(Mode("zero1", "loco4", "int8"), RESULTS).note.startswith("inferred")
     assert quality(Mode("dpu"), RESULTS).loss_vs_adamw_pct is None

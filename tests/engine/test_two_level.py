@@ -1,7 +1,7 @@
 """The two-level exchange (engine/two_level.py) in real gloo groups laid out as M nodes x G ranks:
 the float64 reference of each sharded strategy, the compressed reduce-scatter against the node's
 dequantized sum per rail slice, the equivalence with a flat run of M workers that each run their
-node's micro-batches, bytes per link class against docs/DESIGN.md section 11, bit-identical
+node's micro-batches, bytes per link class against docs/nodes.md, bit-identical
 replicas, a bit-exact resume and the errors at start."""
 
 from __future__ import annotations
@@ -172,8 +172,8 @@ def test_bytes_per_link_class_equal_the_formula_and_halve_the_node_link():
     padded = two[0][1]
     shard, group = padded // n, 128
     row = shard // 2 + shard // group * 4  # int4 payload + fp32 scales of one shard
-    small = (4 + 3 * n) * 8  # the round's small all-reduce (docs/DESIGN.md section 1.1)
-    # per round, docs/DESIGN.md section 11; acco runs two rounds per step
+    small = (4 + 3 * n) * 8  # the round's small all-reduce (docs/design/rounds.md)
+    # per round, docs/nodes.md; acco runs two rounds per step
     inter_two = (m - 1) * (row + 4) + (m - 1) * row + 2 * (n - g) * small // n
     intra_two = ((g - 1) * (padded // g) * 4 + 2 * (g - 1) * 8 // g      # node reduce-scatter + count
                  + (g - 1) * (padded // g) * 4 + 2 * (g - 1) * n * 8 // g  # node all-gather + flags
