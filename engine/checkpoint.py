@@ -101,7 +101,7 @@ class CheckpointWriter:
                     shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
         self.barrier(what)
 
-        model = model_tensors(self.model) if owner else None  # copies
+        model = model_tensors(self.model, owner)  # copies (an FSDP2 model's gathered in each node: every rank)
         tensors, meta = self.state()
         rank_path = tmp / rank_file(comm.rank, comm.world_size)
         encoded, buddies = None, {}

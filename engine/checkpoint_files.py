@@ -90,17 +90,23 @@ def read(file: Path, required: bool) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, metadata
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """CPU copies of the model's tensors (tied weights once)."""
+def model_tensors(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """CPU copies of the model's tensors (tied weights once), or None where not ``keep``. An FSDP2
+    model's sharded tensors are gathered whole one at a time, which every rank of the node joins."""
+    from torch.distributed.tensor import DTensor
+
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple]] = set()
     for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape))
+        sharded = isinstance(t, DTensor)
+        key = ((t.to_local() if sharded else t).data_ptr(), tuple(t.shape))
         if key in seen:  # tied weights are saved once
             continue
         seen.add(key)
-        tensors[name] = t.detach().to("cpu").clone().contiguous()
-    return tensors
+        whole = t.full_tensor() if sharded else t
+        if keep:
+            tensors[name] = whole.detach().to("cpu").clone().contiguous()
+    return tensors if keep else None
 
 
 def load_model(model: torch.nn.Module, file: Path, required: bool) -> None:

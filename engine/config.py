@@ -21,7 +21,7 @@ from .rules import Check, Choice, Rule, choice, integer, is_int, setting
 from .sections import (AccumulationConfig, CommunicationConfig, LayoutConfig, OptimizerConfig, RuntimeConfig,
                        ScheduleConfig)
 from .strategies import SECTIONS as STRATEGY_SECTIONS
-from .strategies import STRATEGIES, section_class, section_readers, sections_read
+from .strategies import STRATEGIES, section_class, section_readers, sections_read, strategy_class
 
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -169,6 +169,7 @@ class EngineConfig:
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()
         self._check_unread_sections()
+        self.check_model_sharding()
 
     def _check_accumulation(self) -> None:
         """The batch settings that only make sense together (the world-size check is Engine's)."""
@@ -201,6 +202,19 @@ class EngineConfig:
                 raise ValueError(f"{', '.join(changed)} set, but strategy {self.strategy!r} does not read the "
                                  f"{name!r} section they belong to ({who}): choose such a strategy or leave "
                                  "them at their defaults")
+
+    def check_model_sharding(self) -> None:
+        """model_sharding='node' needs the node layout and a strategy whose rounds work on local
+        shards (engine/sharding.py); the strategy "auto" is checked once it has resolved."""
+        if self.model_sharding == "none":
+            return
+        if self.topology == "flat":
+            raise ValueError("model_sharding='node' shards the model over each node's ranks and runs the exchange "
+                             "across nodes on the local shards: it needs topology='auto' or 'two_level', not 'flat'")
+        why = strategy_class(self.strategy).node_sharding_refused if self.strategy in STRATEGIES else None
+        if why:
+            raise ValueError(f"strategy {self.strategy!r} does not run with model_sharding='node' yet ({why}): use "
+                             "zero1, dpu or acco with it, or model_sharding='none'")
 
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,

@@ -67,6 +67,14 @@ def build_context(engine, named: list) -> RoundContext:
     """``named``: the trainable (name, parameter) pairs. The strategy says which of the fp32
     values its optimizer owns (``Strategy.initial_values``: a shard, or the whole buffer)."""
     cfg, device, comm = engine.cfg, engine.device, engine.comm
+    if cfg.model_sharding == "node":  # FSDP2 inside the node, the exchange on local shards
+        from .sharding import build_sharded_context
+
+        return build_sharded_context(engine, named)
+    if cfg.activation_checkpointing:
+        from .sharding import checkpoint_blocks
+
+        checkpoint_blocks(engine.model)
     rank, world = comm.rank, comm.world_size
     # fp32 values of rank 0 define every replica's start and every master shard
     flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])

@@ -66,3 +66,76 @@ class FlatParams:
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
 
+
+    def install(self, values: torch.Tensor) -> None:
+        """Make ``values`` (a whole padded buffer) the parameters the compute side runs on."""
+        self.data.copy_(values)
+
+
+class LocalShards:
+    """model_sharding='node' (engine/sharding.py): this rank's FSDP2 local shards of the trainable
+    parameters as one padded flat buffer, the rail's exchange buffer, with FlatParams' interface.
+
+    ``world_size`` is the rail's M (the ranks that share this cut); chunk m is rank (m, l)'s
+    shard. Gradients work as in FlatParams: each parameter's ``.grad`` is a DTensor whose local
+    tensor is a view of gradient buffer ``active``, and FSDP2 adds each micro-batch's reduced
+    shard into it in place; a round reads the other buffer. Parameters are FSDP2's own storage:
+    ``install`` copies the new local buffer into each local shard."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
+                 align: int, dtype: torch.dtype, grad_buffers: int = 2):
+        if not params:
+            raise ValueError("the model has no trainable parameters (every requires_grad is False): "
+                             "unfreeze at least one parameter")
+        local = [p.to_local() for p in params]
+        self.shapes = [t.shape for t in local]
+        self.device, self.dtype, self.params, self.names = local[0].device, dtype, params, names
+        self.world_size = world_size
+        self.numel = sum(t.numel() for t in local)
+        unit = world_size * align
+        self.padded = max(unit, -(-self.numel // unit) * unit)
+        self.shard_size = self.padded // world_size
+        self.offsets, offset = [], 0
+        for t in local:
+            self.offsets.append((offset, offset + t.numel()))
+            offset += t.numel()
+        self.data = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        for t, (a, b) in zip(local, self.offsets):
+            self.data[a:b].copy_(t.reshape(-1))
+        self.grads = [torch.zeros(self.padded, dtype=dtype, device=self.device) for _ in range(grad_buffers)]
+        self.active = 0
+        self.point_grads(0)
+
+    def point_grads(self, index: int) -> None:
+        """Make every param's .grad a DTensor over a view of gradient buffer ``index``."""
+        from torch.distributed.tensor import DTensor
+
+        self.active = index
+        buf = self.grads[index]
+        for p, shape, (a, b) in zip(self.params, self.shapes, self.offsets):
+            p.grad = DTensor.from_local(buf[a:b].view(shape), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
+    def check_grads_attached(self) -> None:
+        """Raise if something replaced a .grad (zero_grad(set_to_none=True), or an FSDP2 that no
+        longer adds into the gradient it finds)."""
+        buf = self.grads[self.active]
+        for p, name, (a, b) in zip(self.params, self.names, self.offsets):
+            g = p.grad
+            if g is None or (b > a and g.to_local().data_ptr() != buf[a:b].data_ptr()):
+                raise RuntimeError(
+                    f"the .grad of {name!r} was replaced or set to None outside the engine "
+                    "(optimizer.zero_grad or model.zero_grad with set_to_none?): the engine owns "
+                    "gradients; do not zero or replace them yourself")
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Chunk ``rank`` of a local buffer (``rank``: this rank's node, its place on the rail)."""
+        return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
+
+    def install(self, values: torch.Tensor) -> None:
+        """Copy the new local buffer into FSDP2's local shards (the compute side, at a boundary)."""
+        self.data.copy_(values)
+        with torch.no_grad():
+            for p, (a, b) in zip(self.params, self.offsets):
+                local = p.to_local()  # a view of FSDP2's sharded storage, fetched anew (it may re-pad it)
+                local.copy_(self.data[a:b].view(local.shape))

@@ -74,6 +74,10 @@ def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dic
     """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer; ``plan``
     and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a report
     {carried, dropped} for the log."""
+    if ctx.cfg.model_sharding != "none" or old[0][1].get("model_sharding", "none") != "none":
+        from .sharding import recut_rails  # each rail's chunks re-cut as a flat run's shards
+
+        return recut_rails(ctx, plan, old, where, recut)
     n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
     flat = ctx.flat
     numel, padded = flat.numel, flat.padded

@@ -16,6 +16,8 @@ from acco_loco.schedule import SCHEDULES
 from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional, setting
 from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
+MODEL_SHARDINGS = ("none", "node")
+
 ACCUMULATION_MODES = ("fixed", "grow")
 BALANCES = ("equal", "speed")
 ERROR_STORAGES = ("int8", "fp32")
@@ -160,10 +162,18 @@ class LayoutConfig:
                             "exchange over all ranks; two_level = insist on it")
     ranks_per_node: int | None = setting(None, "ranks per node (G); none = the launcher's LOCAL_WORLD_SIZE "
                                          "(torchrun, accelerate launch), or 1 when it is not set")
+    model_sharding: str = setting("none", "none = every rank holds the whole model; node = parameters, gradients "
+                                  "and optimizer state sharded over the node's ranks with torch's FSDP2 (per "
+                                  "transformer block), the engine's exchange across nodes on each rank's local "
+                                  "shards (zero1, dpu, acco)")
+    activation_checkpointing: bool = setting(False, "recompute each transformer block's activations in the "
+                                             "backward pass instead of keeping them (torch.utils.checkpoint)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "topology": choice(TOPOLOGIES),
         "ranks_per_node": optional(integer(1), "the launcher's LOCAL_WORLD_SIZE"),
+        "model_sharding": choice(MODEL_SHARDINGS),
+        "activation_checkpointing": boolean,
     }
 
 

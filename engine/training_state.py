@@ -39,6 +39,8 @@ def gather_state(ctx: RoundContext, strategy, counters: EngineState, accumulatio
             **counters.state_dict(),
             "opt_step": opt_meta["step"], "shard_size": flat.shard_size, "numel": flat.numel,
             "accumulation": accumulation.state_dict(), **strategy_meta}
+    if ctx.cfg.model_sharding != "none":  # the state is cut by the node's ranks: engine/sharding.py
+        meta.update(model_sharding=ctx.cfg.model_sharding, ranks_per_node=flat.layout.ranks_per_node)
     return tensors, meta
 
 
@@ -50,6 +52,7 @@ def restore_state(ctx: RoundContext, strategy, counters: EngineState, accumulati
     tensors = {k: v.to(dev) for k, v in tensors.items()}  # once, for every part below
     # the comm side keeps some of these (a resumed ACCO kept half) and frees them there
     worker.adopt(tensors.values())
+    check_sharding(ctx, meta, where)
     if meta["shard_size"] != flat.shard_size or meta["numel"] != flat.numel:
         raise ValueError(f"{where} holds a shard of {meta['shard_size']} values for a model of "
                          f"{meta['numel']} trainable values; this engine has {flat.shard_size} and "
@@ -65,3 +68,20 @@ def restore_state(ctx: RoundContext, strategy, counters: EngineState, accumulati
     counters.load_state_dict(meta, dev)
     accumulation.load_state_dict(meta.get("accumulation", {}))
     strategy.load_state_dict(ctx, tensors, meta)
+
+
+def check_sharding(ctx: RoundContext, meta: dict, where: str) -> None:
+    """A node-sharded rank's state is a chunk of its local shards' buffer, cut by the ranks per
+    node: it resumes only as a node-sharded run with the same ranks per node."""
+    saved = meta.get("model_sharding", "none"), meta.get("ranks_per_node")
+    layout = getattr(ctx.flat, "layout", None)
+    here = ctx.cfg.model_sharding, None if layout is None else layout.ranks_per_node
+    if saved[0] == here[0] == "none":
+        return
+    if saved[0] != here[0]:
+        raise ValueError(f"{where} was written with model_sharding={saved[0]!r} and this run has {here[0]!r}: "
+                         f"resume with model_sharding={saved[0]!r}")
+    if saved[1] != here[1]:
+        raise ValueError(f"{where} was written by a model_sharding='node' run of {saved[1]} ranks per node and this "
+                         f"run has {here[1]}: its state is cut by the node's ranks; resume with {saved[1]} ranks per "
+                         "node (LOCAL_WORLD_SIZE / ranks_per_node); another number of nodes is re-cut")

@@ -92,12 +92,21 @@ class TwoLevelParams:
         return self.finish(comm, held)
 
     def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+        # what this rail holds of its slice: the inner gatherer updates it, never ``held`` itself
+        self._slice = self.rail_slice(held)
+        return self.inner.begin(self.rail, self._slice)
+
+    def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
+        """A copy of the part of ``held`` this rail exchanges (this rank's slice)."""
         m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
         shard = held.numel() // (m * g)
-        # what this rail holds of its slice: the inner gatherer updates it, never ``held`` itself
-        self._slice = self.node.buffer(("two_level.slice",), (m * shard,), held.dtype, held.device)
-        self._slice.view(m, shard).copy_(held.view(m, g, shard)[:, local, :])
-        return self.inner.begin(self.rail, self._slice)
+        part = self.node.buffer(("two_level.slice",), (m * shard,), held.dtype, held.device)
+        part.view(m, shard).copy_(held.view(m, g, shard)[:, local, :])
+        return part
+
+    def install(self, held: torch.Tensor) -> None:
+        """Every rail's new slice into ``held`` (the node's all-gather)."""
+        gather_slices(self.node, self._slice, held, self.layout)
 
     def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
         self.inner.push(self.rail, k, new_shard)
@@ -115,8 +124,44 @@ class TwoLevelParams:
         bad = [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
         if bad:
             return bad
-        gather_slices(self.node, self._slice, held, self.layout)
+        self.install(held)
         return []
+
+
+class ShardGrads:
+    """model_sharding='node' (engine/sharding.py): FSDP2's reduce-scatter already left the node's
+    fp32 sum of this rank's local shards in ``full`` (the local buffer, in the compute dtype); the
+    node's micro-batch count is summed beside it, then ``inner`` (a flat reducer built for the
+    local buffer over M ranks) runs over the rail with the node's count as the weight, as
+    TwoLevelGrads does with its node sum. The finiteness flag is the node sum's: a NaN from any
+    rank of the node shows up on the rank that holds its shard."""
+
+    def __init__(self, inner, node: Comm, rail: Comm, layout: Layout):
+        self.inner, self.node, self.rail, self.layout = inner, node, rail, layout
+        self.feedback = getattr(inner, "feedback", None)
+        self._count = None
+
+    def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
+        if self._count is None or self._count.device != full.device:
+            self._count = torch.zeros(1, dtype=torch.float64, device=full.device)
+        self._count.fill_(float(count))
+        node_count = int(to_host(self.node.all_reduce_sum(self._count))[0])
+        return self.inner.reduce(self.rail, full, node_count, out)
+
+    begin_step, end_step = TwoLevelGrads.begin_step, TwoLevelGrads.end_step
+    state_dict, load_state_dict = TwoLevelGrads.state_dict, TwoLevelGrads.load_state_dict
+
+
+class ShardParams(TwoLevelParams):
+    """model_sharding='node': ``inner`` over the rail on this rank's whole local buffer; the node
+    agrees on finiteness as TwoLevelParams does, and there is no node gather (FSDP2 gathers in
+    the forward pass)."""
+
+    def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
+        return self.node.buffer(("sharded.slice",), held.shape, held.dtype, held.device).copy_(held)
+
+    def install(self, held: torch.Tensor) -> None:
+        held.copy_(self._slice)
 
 
 def slice_of(full: torch.Tensor, layout: Layout) -> torch.Tensor:

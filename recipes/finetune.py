@@ -226,6 +226,12 @@ def parse_args(argv=None) -> FinetuneConfig:
 def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path) -> EngineConfig:
     """The engine's settings from the flags, plus those the recipe sets itself."""
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("engine")}
+    if flags.get("model_sharding", "none") != "none":
+        # FSDP2 needs every rank of a node in every forward: the held-out batches are split unevenly
+        # over ranks here, and the plain model is written by rank 0 alone
+        raise RecipeError("--model-sharding node is not wired into this recipe yet (its evaluation and its "
+                          "plain-model export run per rank): use it through the Engine API "
+                          "(EngineConfig(model_sharding='node')), or leave --model-sharding none")
     try:
         return EngineConfig(**{**flags, "compute_dtype": compute_dtype,
                                "heartbeat_s": min(1.0, cfg.timeout_s / 3),

@@ -57,7 +57,7 @@ class ShardedLoop(RoundLoop):
         p = self.parts
         result = self.wait(handle)
         with torch.no_grad():
-            p.flat.data.copy_(p.ctx.gather_buf)
+            p.flat.install(p.ctx.gather_buf)
         self.measure(result)
         self.step_local += result.local_count
         stop = False

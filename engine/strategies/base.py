@@ -20,6 +20,9 @@ class Strategy:
     # the config sections of engine/strategies/__init__.py SECTIONS that it reads: set away from
     # their defaults under a strategy that does not read them, EngineConfig refuses them
     sections: tuple[str, ...] = ()
+    # why its rounds cannot run on FSDP2's local shards (model_sharding='node', engine/sharding.py);
+    # None: they can
+    node_sharding_refused: str | None = "its rounds work on the whole parameter buffer"
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError

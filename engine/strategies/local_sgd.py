@@ -20,6 +20,7 @@ from .base import Strategy
 class LocalSGD(Strategy):
     plan = RoundPlan("local_sgd", overlap=False, kinds=(RoundKind.COMMIT,))
     period = 4  # steps between parameter averages
+    node_sharding_refused = "it averages full local copies, and has no two-level exchange"
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -86,6 +86,8 @@ class LocalStepStrategy(Strategy):
 
     name = ""
     two_level = True  # a node is one replica (engine/strategies/node_replica.py)
+    node_sharding_refused = ("a node replica's inner steps all-gather the whole parameter buffer in the node; "
+                             "FSDP2's inner steps are not wired to the outer round yet")
     sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
 
     def __init__(self, cfg):

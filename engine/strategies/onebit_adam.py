@@ -76,6 +76,9 @@ class OnebitAdam(ShardedStrategy):
     # two-level: a node is one 1-bit Adam worker; each rank keeps its slice of the state and its
     # rail carries the 1-bit rows (docs/nodes.md, "1-bit Adam over the rails")
     two_level = True
+    # its compressed stage keeps momentum, variance and errors on a node's slices of the whole
+    # buffer, not yet on FSDP2's local shards
+    node_sharding_refused = "its 1-bit stage keeps its state on slices of the whole parameter buffer"
     sections = ("onebit",)  # its settings: engine/strategies/onebit_config.py
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
 

@@ -1,0 +1,216 @@
+"""model_sharding='node': the model sharded over each node's G ranks with torch's FSDP2, and the
+engine's own exchange across nodes on each rank's local shards (docs/DESIGN.md section 11.7).
+
+One place applies it, as torchtitan's ``parallelize`` does: activation checkpointing on each
+transformer block (``activation_checkpointing``), then ``fully_shard`` on each block and on the
+root over the "local" dimension of the node x local DeviceMesh, parameters resharded after the
+forward, frozen parameters sharded too. FSDP2 does the node's all-gathers (forward, backward)
+and the node's gradient reduce-scatter (a sum in fp32: every rank gets its node's sum of its
+local shards after each micro-batch's backward, added into the engine's gradient buffer).
+
+Across nodes: rank (m, l)'s *local buffer* is its local shards (rows of dim 0, FSDP2's Shard(0)
+cut) of every trainable parameter, concatenated in the model's order, which is the same cut on
+every rank of rail l; padded to M x align it is the flat buffer of the rail's exchange (M ranks,
+the reducers and gatherers of engine/collectives.py), rank (m, l) owning chunk m of it: master
+and moments hold 1/(G x M) of the model. The new local buffer is written into FSDP2's local
+shards by the compute side at the round boundary (``LocalShards.install``).
+
+Threads and process groups (the rule, CPU/gloo): a process group is used by one thread only.
+FSDP2's node group (the mesh's "local" group) by the compute thread, which issues every FSDP2
+collective; the rail group, the world group and a second node group of the comm side's own (two
+small all-reduces per round: the node's micro-batch count, the new shards' finiteness) by the
+comm thread. So the compute side's node collectives run beside the comm side's rail collectives
+without ever sharing a group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm, resolve_chunks
+from .collectives import make_collectives
+from .flat import LocalShards
+from .rounds import RoundContext
+from .strategies import shard_groups
+from .topology import Layout
+from .two_level import ShardGrads, ShardParams
+
+log = logging.getLogger("acco_loco")
+
+# where a model's stack of transformer blocks sits (Llama-style, GPT-2, a plain stack)
+BLOCK_PATHS = ("model.layers", "transformer.h", "layers", "blocks")
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard (and checkpoint) one by one: ``model.sharding_blocks`` when the user
+    set it (a list of submodules, or a callable that returns one), else the first ModuleList at
+    BLOCK_PATHS; [] when there is none (then the root is the one FSDP2 unit)."""
+    given = getattr(model, "sharding_blocks", None)
+    if given is not None:
+        blocks = list(given() if callable(given) else given)
+        owned = {id(m) for m in model.modules()}
+        if not blocks or any(not isinstance(b, torch.nn.Module) or id(b) not in owned for b in blocks):
+            raise ValueError("model.sharding_blocks must list submodules of the model (or be a callable that "
+                             "returns them), e.g. model.sharding_blocks = list(model.layers)")
+        return blocks
+    for path in BLOCK_PATHS:
+        found = model
+        for part in path.split("."):
+            found = getattr(found, part, None)
+        if isinstance(found, torch.nn.ModuleList) and len(found):
+            return list(found)
+    return []
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> int:
+    """Recompute each block's activations in the backward pass (torch.utils.checkpoint, the
+    non-reentrant form, which composes with FSDP2). The block's forward is wrapped in place, so
+    parameter names and checkpoints do not change. Returns the blocks wrapped."""
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(f"activation_checkpointing: no transformer blocks found in {type(model).__name__} "
+                         f"(looked at {', '.join(BLOCK_PATHS)}): set model.sharding_blocks to the list of "
+                         "blocks to checkpoint")
+    for block in blocks:
+        if not getattr(block, "_acco_checkpointed", False):
+            block.forward = functools.partial(_checkpointed, block.forward)
+            block._acco_checkpointed = True
+    return len(blocks)
+
+
+def shard_model(model: torch.nn.Module, mesh) -> int:
+    """``fully_shard`` each block, then the root, over ``mesh`` (1-D: a node's ranks); FSDP2's
+    gradient reduce-scatter sums in fp32 (no division: the engine weights by micro-batch
+    counts). Returns the number of blocks sharded on their own."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    blocks = find_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no premultiplied sum
+    return len(blocks)
+
+
+def local_rows(full: torch.Tensor, g: int, local: int) -> torch.Tensor:
+    """This local rank's rows of a whole parameter under FSDP2's Shard(0) cut (torch.chunk's:
+    chunks of ceil(rows / G), the last ones shorter or empty)."""
+    chunks = torch.chunk(full, g, dim=0) if full.dim() else (full,)
+    return chunks[local] if local < len(chunks) else full[full.shape[0]:]
+
+
+def sharding_groups(layout: Layout, device_type: str):
+    """(the node x local DeviceMesh FSDP2 shards over, the comm side's node group, the rail group),
+    every group made anew (every rank creates every group, in one order, as new_group requires).
+    init_device_mesh would hand a dimension that spans the world (one node) the default group,
+    which the comm thread uses for its small all-reduce: FSDP2's node group must be its own."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    m, g = layout.nodes, layout.ranks_per_node
+
+    def mine(groups: list[list[int]]):
+        made = [dist.new_group(ranks) for ranks in groups]
+        return next(grp for ranks, grp in zip(groups, made) if dist.get_rank() in ranks)
+
+    nodes = [list(range(node * g, (node + 1) * g)) for node in range(m)]
+    fsdp_node, comm_node = mine(nodes), mine(nodes)
+    rail = mine([list(range(local, m * g, g)) for local in range(g)])
+    mesh = DeviceMesh.from_group([rail, fsdp_node], device_type, mesh=torch.arange(m * g).view(m, g),
+                                 mesh_dim_names=("node", "local"))
+    return mesh, comm_node, rail
+
+
+def build_sharded_context(engine, named: list) -> RoundContext:
+    """The round context of a node-sharded run: rank 0's values broadcast, the model sharded
+    with FSDP2, the local buffer and the rail's reducer and gatherer around it."""
+    cfg, device, comm, layout, model = engine.cfg, engine.device, engine.comm, engine.layout, engine.model
+    cfg.check_model_sharding()  # the strategy "auto" has resolved by now
+    engine.topology = "node_sharded"  # what checkpoints record: engine/reshard.py re-cuts it by rails
+    m, g = layout.nodes, layout.ranks_per_node
+    # every replica starts from rank 0's fp32 values, cut from the whole parameters before sharding
+    whole32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+    comm.broadcast_(whole32, src=0)
+    with torch.no_grad():
+        at = 0
+        for _, p in named:
+            p.copy_(whole32[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+    dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
+    if not dtype.is_floating_point:
+        raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+    if cfg.compute_dtype != "auto":
+        model.to(dtype)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    mesh, comm_node, rail_group = sharding_groups(layout, device.type)
+    blocks = shard_model(model, mesh["local"])
+    if comm.rank == 0:
+        log.info("model_sharding node: FSDP2 over %d ranks per node (%s), the exchange over %d nodes on the "
+                 "local shards", g, f"{blocks} blocks + root" if blocks else "the root as one unit", m)
+    sharded = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if [n for n, _ in sharded] != [n for n, _ in named]:
+        raise RuntimeError("FSDP2 changed the trainable parameters' names or order: "
+                           f"{[n for n, _ in named]} became {[n for n, _ in sharded]}")
+    local32, at = [], 0
+    for (name, p), (_, before) in zip(sharded, named):
+        rows = local_rows(whole32[at:at + before.numel()].view(before.shape), g, layout.local)
+        at += before.numel()
+        if tuple(rows.shape) != tuple(p.to_local().shape):
+            raise RuntimeError(f"{name}: FSDP2's local shard is {tuple(p.to_local().shape)}, the engine expected "
+                               f"{tuple(rows.shape)} (torch.chunk's cut of dim 0 over {g} ranks)")
+        local32.append(rows.reshape(-1))
+    flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
+                       math.lcm(cfg.align, *shard_groups(cfg)), dtype)
+    flat.layout = layout  # checkpoints record the ranks per node that cut it
+    comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)
+    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
+    torch.cat(local32, out=padded32[:flat.numel])
+    node = Comm(layout.local, g, comm.chunks, group=comm_node, peer_nodes=[0] * g, counter=comm.counter)
+    rail = Comm(layout.node, m, comm.chunks, group=rail_group, peer_nodes=list(range(m)), counter=comm.counter)
+    inner_grads, inner_params = make_collectives(cfg, flat.padded, m, device, comm.rank, dtype)
+    owned = engine.strategy.initial_values(flat, padded32, layout.node, None)  # chunk m of the rail's buffer
+    from acco_loco.optim import init_state
+
+    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec, shard_state=init_state(owned, engine.spec),
+                        grads=ShardGrads(inner_grads, node, rail, layout),
+                        params=ShardParams(inner_params, node, rail, layout), gather_buf=flat.data.clone())
+
+
+def recut_rails(ctx: RoundContext, plan, old: list[tuple[dict, dict]], where: str, recut) -> tuple[dict, dict, dict]:
+    """Resume a node-sharded checkpoint at another number of nodes: the state of rank (m, l) is
+    chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
+    ``recut`` (engine/reshard.py's rules, M ranks for N). The ranks per node must stay: the local
+    buffers are cut by them."""
+    from types import SimpleNamespace
+
+    from .reshard import ReshardError
+
+    meta0, layout = old[0][1], getattr(ctx.flat, "layout", None)
+    saved, here = meta0.get("model_sharding", "none"), ctx.cfg.model_sharding
+    if saved != here:
+        raise ReshardError(f"{where} was written with model_sharding={saved!r} and this run has {here!r}: resume "
+                           f"with model_sharding={saved!r}")
+    g_old, g = meta0["ranks_per_node"], layout.ranks_per_node
+    if g_old != g:
+        raise ReshardError(f"{where} was written by a model_sharding='node' run of {g_old} ranks per node and this "
+                           f"run has {g}: the local shards are cut by the node's ranks, so only another number of "
+                           f"nodes is re-cut. Resume with {g_old} ranks per node (LOCAL_WORLD_SIZE / ranks_per_node)")
+    rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
+    view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
+                           grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
+    tensors, meta, report = recut(view, plan, "flat", rail, where)
+    meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
+    return tensors, meta, report
