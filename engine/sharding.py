@@ -1,5 +1,6 @@
 """model_sharding='node': the model sharded over each node's G ranks with torch's FSDP2, and the
-engine's own exchange across nodes on each rank's local shards (docs/DESIGN.md section 11.7).
+engine's own exchange across nodes on each rank's local shards (docs/nodes.md, "Model sharding
+inside the node").
 
 One place applies it, as torchtitan's ``parallelize`` does: activation checkpointing on each
 transformer block (``activation_checkpointing``), then ``fully_shard`` on each block and on the
