@@ -115,9 +115,16 @@ class ErrorFeedback:
         """False for kind ``"none"`` (compensate returns its input, update does nothing)."""
         return self.kind != "none"
 
-    def _check(self, t: Tensor, what: str) -> None:
-        if t.dim() != 1 or t.numel() != self.numel:
+    def _check(self, t: Tensor, what: str, at: int | None = None) -> None:
+        """``at`` None: ``t`` is the whole buffer; else values ``[at, at + len(t))`` of it."""
+        if at is None and (t.dim() != 1 or t.numel() != self.numel):
             raise ValueError(f"{what} must be a 1-D tensor of {self.numel} values (got shape {tuple(t.shape)})")
+        grouped = self._codes is not None  # int8 storage: a piece holds whole groups of its scales
+        if at is not None and (t.dim() != 1 or at < 0 or at + t.numel() > self.numel
+                               or (grouped and (at % self.group_size or t.numel() % self.group_size))):
+            raise ValueError(f"{what}: a piece must be 1-D, end by value {self.numel} and (int8 storage) start "
+                             f"at a multiple of group_size {self.group_size} and hold whole groups "
+                             f"(got {tuple(t.shape)} at {at})")
         if t.device != self.device:
             raise ValueError(f"{what} is on {t.device} but the error state is on {self.device}")
 
@@ -129,17 +136,29 @@ class ErrorFeedback:
             return self._codec.decode(self._codes, self._scales)
         return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
+    def _state(self, at: int, n: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The error state of values ``[at, at + n)``: (fp32 e, int8 codes, their scales), views."""
+        g = self.group_size
+        part = (lambda t: None if t is None else t[at:at + n])
+        scales = None if self._scales is None else self._scales[at // g:(at + n) // g]
+        return part(self._e), part(self._codes), scales
+
     def compensate(self, x: Tensor) -> Tensor:
         """``h = x + e`` as a new fp32 tensor.  For kind ``"none"`` returns ``x`` itself (no copy)."""
         self._check(x, "x")
+        return self._compensate(x.to(torch.float32, copy=True) if self.active else x, 0, self._zero)
+
+    def _compensate(self, h: Tensor, at: int, zero: bool) -> Tensor:
+        """``h += e`` in place on fp32 ``h`` (values ``[at, at + len(h))``, whole groups);
+        ``zero``: e is known to be 0."""
         if not self.active:
-            return x
-        if self._e is not None:
-            return torch.add(x, self._e)  # fp32 (x upcast if it is a lower precision)
-        h = x.to(torch.float32, copy=True)
-        if not self._zero:
+            return h
+        e, codes, scales = self._state(at, h.numel())
+        if e is not None:
+            return h.add_(e)
+        if not zero:
             # h += q * scale in one pass (fused multiply-add where the backend has one)
-            self._codec.decode(self._codes, self._scales, out=h, accumulate=True)
+            self._codec.decode(codes, scales, out=h, accumulate=True)
         return h
 
     def update(self, h: Tensor, sent: Tensor) -> None:
@@ -148,23 +167,57 @@ class ErrorFeedback:
             return
         self._check(h, "h")
         self._check(sent, "sent")
-        d = torch.sub(h, sent).to(torch.float32)  # the compression error of this round
-        if self._e is not None:
-            if self.beta == 0.0:
-                self._e.copy_(d)
-            else:
-                self._e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
-        else:
-            if self.beta == 0.0 or self._zero:
-                e = d.mul_(1.0 - self.beta) if self.beta else d
-            else:
-                e = self._codec.decode(self._codes, self._scales)
-                e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
-            # Non-finite h was already refused by the wire codec's encode.
-            codes, scales = self._codec.encode(e, check_finite=False)
-            self._codes.copy_(codes)
-            self._scales.copy_(scales)
+        self._absorb(torch.sub(h, sent).to(torch.float32), 0, self._zero)
         self._zero = False
+
+    def _absorb(self, d: Tensor, at: int, zero: bool) -> None:
+        """The update for this round's compression error ``d = h - sent`` (fp32, overwritten) of
+        values ``[at, at + len(d))`` (whole groups); ``zero``: e was known to be 0."""
+        e, codes, scales = self._state(at, d.numel())
+        if e is not None:
+            if self.beta == 0.0:
+                e.copy_(d)
+            else:
+                e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
+            return
+        if self.beta == 0.0 or zero:
+            new = d.mul_(1.0 - self.beta) if self.beta else d
+        else:
+            new = self._codec.decode(codes, scales)
+            new.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
+        # Non-finite h was already refused by the wire codec's encode.
+        new_codes, new_scales = self._codec.encode(new, check_finite=False)
+        codes.copy_(new_codes)
+        scales.copy_(new_scales)
+
+    @contextmanager
+    def in_pieces(self, codec: Codec, generator: torch.Generator | None = None, *, update: bool = True):
+        """One pass of :func:`compress` over the buffer in pieces, for memory: yields
+        ``piece(x, at) -> (payload, scales)``, which compensates, encodes and (``update``) moves
+        the error of values ``[at, at + len(x))`` (whole groups; each value once per pass), with
+        temporaries of the piece's size only; ``x``: fp32, the caller's own (it is overwritten
+        with the compensated values). Every step is per group, so the pieces give the
+        bits of one whole-buffer ``compress``; stochastic rounding draws its uniforms in call
+        order, so pieces taken in buffer order draw what the whole would on the CPU (CUDA's
+        counter-based generator draws other, equally uniform, values). The pass never checks
+        finiteness (the engine's round does); "known to be zero" is the pass's start state."""
+        zero = self._zero
+
+        def piece(x: Tensor, at: int) -> tuple[Tensor, Tensor]:
+            self._check(x, "x", at)
+            if not self.active:
+                return codec.encode(x, generator, check_finite=False)
+            h = self._compensate(x, at, zero)  # x itself, in place
+            payload, scales, sent = codec.encode_with_decoded(h, generator, check_finite=False)
+            if update:
+                d = h.sub_(sent)  # the compression error, in h's memory
+                del sent  # before the error's re-encode makes its own temporaries
+                self._absorb(d, at, zero)
+            return payload, scales
+
+        yield piece
+        if update and self.active:
+            self._zero = False
 
     @contextmanager
     def lent_to_kernel(self, lend: bool, update: bool):

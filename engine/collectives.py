@@ -8,8 +8,8 @@ Each row a worker sends to owner j holds: the packed payload of shard j, its sca
 sender's micro-batch count (the weight). Workers send their *mean* micro-batch gradient, so the
 error state stays in one unit whatever the count of a round; the owner weights by the count.
 
-Both collectives are pipelined over ``comm_chunks`` pieces of the shard (engine/comm.py
-``chunk_bounds``, starts aligned to the codec groups and to PIECE_ALIGN): a reducer encodes
+Both collectives are pipelined over the pieces of the shard (``comm_chunks`` or more: engine/comm.py
+``Comm.pieces``, starts aligned to the codec groups and to PIECE_ALIGN): a reducer encodes
 piece k+1 while piece k is on the wire and decodes piece k-1 as soon as it has arrived; a
 gatherer sends each piece of the new shard as soon as the optimizer has produced it
 (``begin``/``push``/``finish``, see engine/strategies/sharded.py). Each piece of a row is a
@@ -28,6 +28,7 @@ bit-identical and the owner's exact fp32 master carries any error into the next 
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 
 import torch
 
@@ -35,8 +36,8 @@ from acco_loco import compiled, kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback, compress
 from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
-from .comm import PIECE_ALIGN, Comm, chunk_bounds
-from .host import nonfinite_flag, nonfinite_rows_parts
+from .comm import Comm
+from .host import nonfinite_flag, nonfinite_rows, nonfinite_rows_parts
 from .rounds import Reduced
 
 
@@ -71,13 +72,14 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
 _SEGMENTS: dict = {}
 
 
-def _segments(codec, shard: int, chunks: int) -> list[tuple[int, int, int, int]]:
-    """The pieces of a shard: (a, b, payload bytes, scale bytes) of values [a, b)."""
-    key = (codec.name, getattr(codec, "group_size", 1), codec.scale_dtype, shard, chunks)
+def _segments(codec, comm: Comm, shard: int) -> list[tuple[int, int, int, int]]:
+    """The pieces of a shard (``Comm.pieces``, starts on codec groups): (a, b, payload bytes,
+    scale bytes) of values [a, b)."""
+    group = getattr(codec, "group_size", 1)
+    bounds = comm.pieces(shard, group)
+    key = (codec.name, group, codec.scale_dtype, shard, len(bounds))
     if key not in _SEGMENTS:
-        unit = math.lcm(getattr(codec, "group_size", 1), PIECE_ALIGN)
-        _SEGMENTS[key] = [(a, b, codec.payload_bytes(b - a), codec.scale_bytes(b - a))
-                          for a, b in chunk_bounds(shard, chunks, unit)]
+        _SEGMENTS[key] = [(a, b, codec.payload_bytes(b - a), codec.scale_bytes(b - a)) for a, b in bounds]
     return _SEGMENTS[key]
 
 
@@ -168,7 +170,7 @@ class CompressedGrads:
         piece k-1, which is on the wire meanwhile, is decoded on arrival."""
         n, codec, dev = self.world, self.codec, full.device
         shard = full.numel() // n
-        segs = _segments(codec, shard, comm.chunks)
+        segs = _segments(codec, comm, shard)
         fused = (self.fused and kernel_policy.fits(full)
                  and all(p % 4 == 0 for _, _, p, _ in segs))  # the scales land word-aligned
         sends, recvs = [], []
@@ -195,33 +197,56 @@ class CompressedGrads:
         pieces received; returns whether ``full`` held a NaN/Inf (the kernels': a bool; else a flag)."""
         n, codec, dev, shard = self.world, self.codec, full.device, full.numel() // self.world
         fb = self.feedback
-        if fused:
-            bad = False
-            group, bits, beta = codec.group_size, codec.bits, fb.beta if fb.active else 0.0
-            xp = full.data_ptr()
-            cp, ep = (None, None) if codes is None else (codes.data_ptr(), escales.data_ptr())
-        else:
-            bad = nonfinite_flag(full)
-            payload, scales = self.encode(full, count)
-            payload_rows, scale_rows = payload.view(n, -1), _scale_bytes(scales).view(n, -1)
-        pending = []
-        for k, (a, b, p, s) in enumerate(segs):
-            send = sends[k]
-            if fused:  # piece k of every destination's shard, rows [payload | scales] of the send buffer
-                bad |= kernels.encode(xp + 4 * a, n, shard, b - a, max(count, 1), bits, group, send.data_ptr(),
-                                      send.shape[1], p, None if cp is None else cp + a,
-                                      None if ep is None else ep + 4 * (a // group), zero, count > 0, beta)
+        with ExitStack() as stack:
+            if fused:
+                bad = False
+                group, bits, beta = codec.group_size, codec.bits, fb.beta if fb.active else 0.0
+                xp = full.data_ptr()
+                cp, ep = (None, None) if codes is None else (codes.data_ptr(), escales.data_ptr())
+            elif self.compiled:
+                # a GPU with Triton: the whole buffer's encode + error feedback compiled into a few
+                # kernels (acco_loco/compiled.py), not yet in pieces: its temporaries are P long
+                bad = nonfinite_flag(full)
+                payload, scales = self.encode(full, count)
+                rows, scale_rows = payload.view(n, -1), _scale_bytes(scales).view(n, -1)
+                for (a, b, p, s), send in zip(segs, sends):
+                    send[:, :p].copy_(rows[:, codec.payload_bytes(a):codec.payload_bytes(b)])
+                    send[:, p:p + s].copy_(scale_rows[:, codec.scale_bytes(a):codec.scale_bytes(b)])
             else:
-                pa, pb = codec.payload_bytes(a), codec.payload_bytes(b)
-                sa, sb = codec.scale_bytes(a), codec.scale_bytes(b)
-                send[:, :p].copy_(payload_rows[:, pa:pb])
-                send[:, p:p + s].copy_(scale_rows[:, sa:sb])
-            pending.append((k, comm.all_to_all_start(recvs[k], send)))
-            if len(pending) > 1:  # decode the piece before while this one is on the wire
-                self._decode(pending.pop(0), segs, recvs, out, fused)
-        for item in pending:
-            self._decode(item, segs, recvs, out, fused)
+                # torch: each destination's piece on its own (temporaries one piece long, never
+                # the gradient's size); stochastic rounding draws in buffer order (each row's
+                # pieces in turn), so every piece is encoded before the first is sent
+                bad = nonfinite_flag(full)
+                piece = stack.enter_context(fb.in_pieces(codec, self.generator, update=count > 0))
+                if self.generator is not None:
+                    for j in range(n):
+                        for k in range(len(segs)):
+                            self._encode_into(piece, full, count, j, segs[k], sends[k])
+            pending = []
+            for k, (a, b, p, s) in enumerate(segs):
+                send = sends[k]
+                if fused:  # piece k of every destination's shard, rows [payload | scales] of the send buffer
+                    bad |= kernels.encode(xp + 4 * a, n, shard, b - a, max(count, 1), bits, group, send.data_ptr(),
+                                          send.shape[1], p, None if cp is None else cp + a,
+                                          None if ep is None else ep + 4 * (a // group), zero, count > 0, beta)
+                elif not self.compiled and self.generator is None:
+                    for j in range(n):
+                        self._encode_into(piece, full, count, j, segs[k], send)
+                pending.append((k, comm.all_to_all_start(recvs[k], send)))
+                if len(pending) > 1:  # decode the piece before while this one is on the wire
+                    self._decode(pending.pop(0), segs, recvs, out, fused)
+            for item in pending:
+                self._decode(item, segs, recvs, out, fused)
         return bad
+
+    def _encode_into(self, piece, full: torch.Tensor, count: int, j: int, seg, send: torch.Tensor) -> None:
+        """Row j of ``send`` = [payload | scales] of destination j's piece ``seg`` of this worker's
+        compensated mean gradient (``piece``: the error feedback's pass, engine-side of compress)."""
+        a, b, p, s = seg
+        lo = j * (full.numel() // self.world)
+        payload, scales = piece(full[lo + a:lo + b].to(torch.float32, copy=True).div_(max(count, 1)), lo + a)
+        send[j, :p].copy_(payload)
+        send[j, p:p + s].copy_(_scale_bytes(scales))
 
     def _decode(self, item, segs, recvs, out: torch.Tensor, fused: bool) -> None:
         """out[a:b] = sum over rows j (in order) of w_j * deQ(row j's piece)."""
@@ -288,40 +313,54 @@ class _Gatherer:
 
 
 class CastParams(_Gatherer):
-    """All-gather of the new shards cast to a wire dtype (the compute dtype, or a cast)."""
+    """All-gather of the new shards cast to a wire dtype (the compute dtype, or a cast).
+
+    Received pieces go into ``held`` as they arrive: with one piece in the held dtype straight
+    (every rank's shard lands in its place: no receive buffer), else through one of two kept
+    receive buffers a piece long (at most two pieces are in flight: a push waits for the piece
+    before the last). ``finish`` then checks ``held`` itself; when some rank's values are not
+    finite, ``held`` is left part-written and must be gathered again (the round does)."""
 
     def __init__(self, wire_dtype: torch.dtype):
         self.wire_dtype = wire_dtype
 
     def _pieces(self, comm: Comm):
-        return chunk_bounds(self._shard, comm.chunks, PIECE_ALIGN)
+        return comm.pieces(self._shard)
+
+    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+        self._held = held
+        return super().begin(comm, held)
 
     def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
+        held, dev = self._held, new_shard.device
+        self._drain(comm, keep=1)  # piece k - 2 is in place: its buffers are free
         a, b = self._bounds[k]
         piece = new_shard[a:b]
         if piece.dtype != self.wire_dtype or not piece.is_contiguous():
-            piece = comm.buffer(("params.cast", k), (b - a,), self.wire_dtype, new_shard.device).copy_(piece)
-        recv = comm.buffer(("params.recv", k), (comm.world_size * (b - a),), self.wire_dtype, new_shard.device)
-        self._pending.append((k, recv, comm.all_gather_start(recv, piece)))
+            piece = comm.slot("params.cast", k, self._bounds, 1, self.wire_dtype, dev).view(-1).copy_(piece)
+        if len(self._bounds) == 1 and held.dtype == self.wire_dtype:
+            recv = held
+        else:
+            recv = comm.slot("params.recv", k, self._bounds, comm.world_size, self.wire_dtype, dev)
+        self._pending.append((k, recv, comm.all_gather_start(recv.view(-1), piece)))
+
+    def _drain(self, comm: Comm, keep: int) -> None:
+        """Wait for all but the last ``keep`` pieces in flight and copy each into its rows of held."""
+        rows = self._held.view(comm.world_size, self._shard)
+        while len(self._pending) > keep:
+            k, recv, work = self._pending.pop(0)
+            if work is not None:
+                work.wait()
+            if recv is not self._held:
+                a, b = self._bounds[k]
+                rows[:, a:b].copy_(recv)  # while the later pieces are still on the wire
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
         """Fill ``held``; returns the ranks whose gathered values are not finite (``held`` must
         then be gathered again)."""
-        n, shard = comm.world_size, self._shard
-        wire = held if self.wire_dtype == held.dtype else comm.buffer(("params.wire",), (held.numel(),),
-                                                                        self.wire_dtype, held.device)
-        rows, parts = wire.view(n, shard), []
-        for k, recv, work in self._pending:
-            if work is not None:
-                work.wait()
-            a, b = self._bounds[k]
-            got = recv.view(n, b - a)
-            rows[:, a:b].copy_(got)  # while the later pieces are still on the wire
-            parts.append(got)
-        bad = nonfinite_rows_parts(parts)
-        if wire is not held and not bad:
-            held.copy_(wire)
-        return bad
+        self._drain(comm, keep=0)
+        self._held = None
+        return nonfinite_rows(held.view(comm.world_size, self._shard))
 
 
 class DeltaParams(_Gatherer):
@@ -333,7 +372,7 @@ class DeltaParams(_Gatherer):
         self.fused = kernel_policy.wire_codec(self.codec)
 
     def _pieces(self, comm: Comm):
-        return _segments(self.codec, self._shard, comm.chunks)
+        return _segments(self.codec, comm, self._shard)
 
     def _fused_for(self, held: torch.Tensor, *tensors: torch.Tensor) -> bool:
         return self.fused and kernel_policy.fits(held, *tensors)

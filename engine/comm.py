@@ -17,6 +17,7 @@ PIECE_ALIGN values, so that every piece computes the same bits as the whole woul
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from datetime import timedelta
@@ -191,35 +192,59 @@ class Comm:
         self._count(piece.numel() * piece.element_size())  # N-1 pieces, as a ring sends
         return _all_gather_single(recv, piece, group=self.group, async_op=True)
 
+    def pieces(self, size: int, unit: int = 1) -> list[tuple[int, int]]:
+        """The ``[a, b)`` pieces a pipelined collective over shards of ``size`` values takes:
+        ``chunks`` of them, more where one piece of every rank's shard together would pass
+        MAX_PIECE_VALUES (the kept send/receive buffers and the temporaries of a piece stay
+        bounded whatever the model's size); starts at multiples of ``unit`` and PIECE_ALIGN."""
+        count = max(self.chunks, -(-size * self.world_size // MAX_PIECE_VALUES))
+        return chunk_bounds(size, count, math.lcm(unit, PIECE_ALIGN))
+
+    def slot(self, key, k: int, pieces: list[tuple[int, int]], rows: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """A kept ``[rows, b - a]`` buffer for piece k of ``pieces``, one of two reused in turn (a
+        pipelined collective has at most two pieces in flight: piece k starts once piece k - 2 is
+        done), each as long as the longest piece (the first)."""
+        a, b = pieces[k]
+        width = pieces[0][1] - pieces[0][0]
+        flat = self.buffer((key, k % 2), (rows * width,), dtype, device)
+        return flat[:rows * (b - a)].view(rows, b - a)
+
     def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum over workers of ``full``'s shard ``rank``, in fp32.
 
-        Pipelined over ``chunks`` pieces of the shard: piece k+1 is copied out and on the wire
-        while piece k is summed. Each output value is the same sum of the same rows in the same
-        order whatever the pieces, so the result does not depend on ``chunks``."""
+        Pipelined over the pieces of the shard (``pieces``): piece k+1 is copied out and on the
+        wire while piece k is summed. Each output value is the same sum of the same rows in the
+        same order whatever the pieces, so the result does not depend on ``chunks``."""
         n = self.world_size
         shard = full.numel() // n
         if out is None:
             out = torch.empty(shard, dtype=torch.float32, device=full.device)
         if n == 1:
             return out.copy_(full)
+        rows, bounds = full.view(n, shard), self.pieces(shard)
         if self.native_reduce_scatter:
-            # the backend's own collective, on fp32 values so that the sum is fp32 as below (its
-            # order is the backend's); one call, the backend pipelines it
-            src = full if full.dtype == torch.float32 else \
-                self.buffer(("rs.fp32",), (full.numel(),), torch.float32, full.device).copy_(full)
-            dist.reduce_scatter_tensor(out, src, group=self.group)
+            # the backend's own collective on fp32 values, so that the sum is fp32 as below (its
+            # order is the backend's): a gradient in another dtype, or more than one piece, goes
+            # through one kept fp32 buffer a piece long (never an fp32 copy of the whole
+            # gradient); the calls are synchronous, so the next piece's copy waits for the last
+            for a, b in bounds:
+                if full.dtype == torch.float32 and len(bounds) == 1:
+                    src = full
+                else:
+                    src = self.buffer(("rs.fp32",), (n * (bounds[0][1] - bounds[0][0]),), torch.float32,
+                                      full.device)[:n * (b - a)]
+                    src.view(n, b - a).copy_(rows[:, a:b])
+                dist.reduce_scatter_tensor(out[a:b], src, group=self.group)
             self._count(shard * 4)
             return out
-        rows = full.view(n, shard)
-        bounds = chunk_bounds(shard, self.chunks, PIECE_ALIGN)
         pending: list = []
         for k, (a, b) in enumerate(bounds):
-            recv = self.buffer(("rs.recv", k), (n, b - a), full.dtype, full.device)
+            recv = self.slot("rs.recv", k, bounds, n, full.dtype, full.device)
             if len(bounds) == 1:
                 send = rows  # already contiguous: no copy
             else:
-                send = self.buffer(("rs.send", k), (n, b - a), full.dtype, full.device)
+                send = self.slot("rs.send", k, bounds, n, full.dtype, full.device)
                 send.copy_(rows[:, a:b])
             pending.append((a, b, recv, self.all_to_all_start(recv, send)))
             if len(pending) > 1:  # sum the piece before this one while this one is on the wire
@@ -274,6 +299,11 @@ class Comm:
 # kernels run whole vectors from the start of a tensor, so a piece computes the same bits as the
 # whole buffer would (and low-bit payload and scale slices stay byte- and word-aligned)
 PIECE_ALIGN = 32
+
+# a pipelined collective's piece, all ranks' shares together, holds at most this many values
+# (64 MB in fp32): what a piece keeps (send/receive slots) and makes (temporaries) is bounded by
+# it, not by the model; NCCL reaches its bus rate well below this size
+MAX_PIECE_VALUES = 1 << 24
 
 
 # comm_chunks="auto": benchmarks/link_check.py measured one gloo all_to_all at 48-50% of a shaped

@@ -7,10 +7,23 @@ Per trainable parameter, e = compute dtype bytes, N = ranks sharing the optimize
 G = ranks per node:
 
     replicated        16: fp32 parameters, fp32 gradients, AdamW's two moments (torch DDP, AMP)
-    sharded           4e (compute parameters, gathered buffer, two gradient buffers)
-                      + 12/N (fp32 master and moments) + 12/N (the step's proposal, transient)
-                      + 4/N per kept shard + with a codec 2 (1 + 4/g) (int8 error, its rollback
-                      copy), over the rank's 1/G slice when the exchange is two-level
+    sharded           ``held_bytes``: every tensor the engine keeps after a step, by the categories
+                      engine/memory_accounting.py measures, and the largest set of temporaries a
+                      round makes (tests/engine/test_memory_accounting.py holds the two against
+                      each other). S = P/N the owned shard, V the values the inter-node codec sees
+                      (P flat, P/G two-level), c pieces (``Comm.pieces``), w a cast gather's bytes:
+                        4e             parameters, gathered buffer, two gradient buffers
+                        24/N           fp32 master and moments, the spare a step is proposed into
+                        4/N + 4/N per kept shard   the reducer's fp32 output (+ ACCO's kept half)
+                        2 (1 + 4/g) V/P   codec: int8 error + group scales, its rollback copy
+                        2 (b/8 + 4/g) V/P codec: send and receive rows, every piece kept
+                        (1 + 1/N)(b/8 + 4/g) V/P   b-bit parameter deltas: send and receive
+                        2w/(N c), 2w/c  a cast gather in pieces or to another dtype (one piece in
+                                       the held dtype goes straight into the gathered buffer)
+                        2e + (4 + e)/G two-level: the node's level (engine/two_level.py)
+                        8 to 16 per value of a piece   a round's temporaries; a piece is at most
+                                       MAX_PIECE_VALUES values of all ranks, so on a large model
+                                       the cast buffers and the temporaries are constants
     sharded, model sharded over the node (model_sharding="node", FSDP2 on the node's G ranks):
                       e/G parameters and e/G gradients (FSDP2's local shards), each once more for
                       an overlapping strategy (the comm side's gradient copy, the parameters
@@ -32,6 +45,15 @@ from engine.topology import Layout
 from .modes import Mode
 from .shape import ModelShape
 
+MAX_PIECE_VALUES = 1 << 24  # engine/comm.py's: a piece of all ranks' shards together
+# a round's temporaries per value (the torch path: what a GPU runs; measured by
+# tests/engine/test_memory_accounting.py): the optimizer's piece (its gradient and Adam's
+# denominator), the compressed reduce-scatter's encode of one destination's piece (the
+# compensated values, the rounded codes, the compression error, the re-encoded error) and its
+# decode of every rank's piece at once (fp32 values, unpacked codes, the payload's copy)
+OPTIMIZER_TEMP, ENCODE_TEMP, DECODE_TEMP, DELTA_TEMP = 8.0, 14.0, 7.0, 16.0
+
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -39,10 +61,89 @@ class Memory:
     grads: float
     optimizer: float
     codec_state: float  # error feedback, local-step state, 1-bit Adam's whole buffers
+    buffers: float = 0.0  # comm-side kept buffers, the two-level node's buffers, a round's temporaries
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.codec_state
+        return self.params + self.grads + self.optimizer + self.codec_state + self.buffers
+
+
+def _bits(codec: str) -> int | None:
+    """The bits per value of a gradient or parameter codec name (None: uncompressed)."""
+    for bits in (8, 4, 2, 1):
+        if codec.endswith(str(bits)) or codec == f"int{bits}":
+            return bits
+    return None
+
+
+def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool = False,
+               kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
+               compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
+               optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
+    """Bytes one rank holds after a step of a sharded strategy (zero1, dpu, acco with
+    ``kept_shards`` 1) on an unsharded model, by the
+    categories of engine/memory_accounting.py, plus ``temporaries``: the largest set a round
+    makes (the torch path; CPU's fused kernels make fewer and keep a shard-long fp32 scratch).
+
+    ``params``: the padded trainable values P; ``chunks``: the engine's comm_chunks (resolved);
+    ``optimizer_state``: fp32 bytes per owned value (AdamW 12, SGD with momentum 8)."""
+    p, e, n, g = float(params), compute_bytes, world, group_size
+    nodes = world // per_node if two_level else world  # the ranks of the codec's exchange
+    values = p / per_node if two_level else p  # V: what one rank's codec exchange carries
+    shard = p / n
+    grad_bits = None if codec == "none" else _bits(codec)
+    delta_bits = _bits(param_codec) if param_codec in ("int8", "int4") else None
+    wire = {"auto": e, "float32": 4, "bfloat16": 2}.get(param_codec, e)
+
+    def pieces(total: float) -> int:  # Comm.pieces over a collective of ``total`` values
+        return max(chunks, -(-int(total) // MAX_PIECE_VALUES))
+
+    c = pieces(values)
+    out = {
+        "gradients": 2 * e * p,
+        "parameters": e * p + e * frozen,
+        "gathered": e * p,
+        "optimizer": 2 * optimizer_state * shard,  # the state and the spare a step is proposed into
+        "error_feedback": 0.0,
+        "strategy": 4 * shard * kept_shards,  # ACCO's kept estimate half
+        "comm": 4 * shard,  # the reducer's fp32 output
+    }
+    slots = min(c, 2) / c  # two kept piece buffers reused in turn (one piece: one)
+    if grad_bits is None:
+        if backend == "gloo":  # all-to-all: the received rows of a piece (and, in pieces, the sent)
+            out["comm"] += slots * values * e * (2 if c > 1 else 1)
+        elif e != 4 or c > 1:  # NCCL's reduce-scatter through one fp32 piece
+            out["comm"] += 4 * values / c
+    else:
+        row = grad_bits / 8 + 4 / g
+        out["error_feedback"] = 2 * values * (1 + 4 / g)
+        out["comm"] += 2 * values * row  # send and receive, every piece kept
+    if delta_bits is None:
+        if wire != 4:  # the fp32 master's piece cast to the wire dtype
+            out["comm"] += slots * shard * wire
+        if c > 1 or wire != e:
+            out["comm"] += slots * values * wire
+    else:
+        out["comm"] += (shard + values) * (delta_bits / 8 + 4 / g)
+    if two_level:
+        # the node's level: the gradient's rows regrouped by local rank, the node's fp32 sum of
+        # the rank's slice, the slice of the held parameters, the node's gathered buffer, and the
+        # node reduce-scatter's pieces (gloo: received rows; NCCL: an fp32 piece unless fp32)
+        cn = pieces(p)
+        node = e * p + 4 * values + e * values + e * p
+        if grad_bits is None and e != 4:
+            node += e * values  # the node sum in the compute dtype for the rail
+        node += (min(cn, 2) / cn) * p * e * (2 if cn > 1 else 1) if backend == "gloo" else \
+            (4 * p / cn if e != 4 or cn > 1 else 0.0)
+        out["comm"] += node
+    piece = shard / c  # one destination's (one rank's) values of a piece
+    temps = [OPTIMIZER_TEMP * piece]
+    if grad_bits is not None:
+        temps += [ENCODE_TEMP * piece, DECODE_TEMP * nodes * piece]
+    if delta_bits is not None:
+        temps.append(DELTA_TEMP * piece)
+    out["temporaries"] = max(temps)
+    return out
 
 
 def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
@@ -62,7 +163,11 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
         copies = 2 if mode.overlap else 1
         block = 2 * e * shape.params / shape.layers  # FSDP2's unsharded block in use and the one prefetched
         return Memory(copies * e * pt / g + e * frozen / g + block, copies * e * pt / g, opt, ef)
-    return Memory(2 * e * pt + e * frozen, 2 * e * pt, opt, ef)
+    held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
+                      codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
+                      frozen=frozen)
+    return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
+                  held["error_feedback"], held["comm"] + held["temporaries"])
 
 
 def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:

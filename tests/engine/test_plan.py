@@ -127,7 +127,9 @@ def test_memory_follows_the_layouts_of_design_3_1():
     acco = memory_per_gpu(Mode("acco", "loco4", "int4"), shape, layout, ws)
     acco2 = memory_per_gpu(Mode("acco", "loco4", "int4", "two-level"), shape, layout, ws)
     ddp = memory_per_gpu(Mode("torch-ddp"), shape, layout, ws)
-    assert zero1.total == pytest.approx(shape.params * (8 + 24 / 64))
+    # 4e, master + moments + spare, the reducer's output, the master's piece cast to bf16 (plus
+    # NCCL's one fp32 piece of the reduce-scatter: a constant, engine/planner/memory.py)
+    assert zero1.total == pytest.approx(shape.params * (8 + (24 + 4 + 2) / 64), rel=2e-3)
     assert acco.codec_state == pytest.approx(2 * shape.params * (1 + 4 / 128))
     assert acco2.codec_state == pytest.approx(acco.codec_state / 8)  # error feedback on the rank's slice
     assert ddp.total == 16 * shape.params

@@ -1,0 +1,118 @@
+"""What a rank holds after a step (engine/memory_accounting.py: the unique tensor storages of the
+model and the engine, by category, and the largest set of temporaries a round makes) against the
+per-parameter formula of engine/planner/memory.py (docs/design/zero1.md), in real gloo
+groups: flat at N = 2 and 4, two-level at 2 nodes x 2 and x 4 ranks, for zero1, acco and
+acco+loco4+int4params, fp32 and bf16 compute, on the torch path (the one a GPU runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.comm import MAX_PIECE_VALUES
+from engine.local_group import spawn
+from engine.memory_accounting import CATEGORIES, RoundTemporaries
+from engine.planner import memory
+
+MODES = {
+    "zero1": dict(strategy="zero1"),
+    "acco": dict(strategy="acco"),
+    "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
+}
+DTYPES = {"float32": 4, "bfloat16": 2}
+EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
+
+
+def _model():
+    torch.manual_seed(0)  # 66,592 parameters: padding (N x 128 values at most) stays below 1%
+    return torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 32))
+
+
+def _loss(model, batch):
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(batch[0].to(dtype)).float(), batch[1])
+
+
+def _stream(rank: int, n: int):
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(n)]
+
+
+def _measure(rank: int, world: int, topology: str) -> dict:
+    from acco_loco import kernels
+    from engine import Engine, EngineConfig
+    from engine.memory_accounting import engine_held_bytes, track_round_temporaries
+
+    kernels.use(False)  # the torch path: what runs on a GPU
+    out = {}
+    for dtype in DTYPES:
+        for name, kw in MODES.items():
+            cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=3, compute_dtype=dtype,
+                               topology=topology, **kw)
+            engine = Engine(_model(), cfg, _loss)
+            peaks = track_round_temporaries(engine)
+            engine.fit(_stream(rank, 50))
+            engine.close()
+            # the first step's rounds also make the kept buffers (spare, slots): the later ones
+            out[(dtype, name)] = (engine_held_bytes(engine), max(peaks[2:]), engine.flat.padded,
+                                  engine.comm.chunks, engine.topology)
+    return out
+
+
+def _check(results, world: int, per_node: int, two_level: bool):
+    rows = []
+    for (dtype, name), (held, temps, padded, chunks, topology) in results[0].items():
+        assert topology == ("two_level" if two_level else "flat")
+        kw = MODES[name]
+        want = memory.held_bytes(padded, world=world, per_node=per_node, two_level=two_level,
+                                 kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
+                                 param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
+                                 chunks=chunks, backend="gloo")
+        got_total, want_total = sum(held.values()) + temps, sum(want.values())
+        rows.append(f"{dtype} {name}: held {got_total / padded:.2f} B/param, formula {want_total / padded:.2f}; "
+                    + ", ".join(f"{k} {held[k] / padded:.2f}/{want[k] / padded:.2f}" for k in CATEGORIES)
+                    + f", temporaries {temps / padded:.2f}/{want['temporaries'] / padded:.2f}")
+        for k in EXACT:  # the buffers the formula names one by one are exactly what is held
+            assert held[k] == pytest.approx(want[k], rel=0.01, abs=64), (dtype, name, k, rows[-1])
+        assert held["comm"] == pytest.approx(want["comm"], rel=0.02, abs=1024), (dtype, name, rows[-1])
+        assert got_total == pytest.approx(want_total, rel=0.10), (dtype, name, rows[-1])
+    print("\n".join(rows))
+    # every rank holds the same (the layout is symmetric)
+    for other in results[1:]:
+        for key, (held, *_rest) in other.items():
+            assert held == results[0][key][0], key
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_flat_layout_holds_what_the_formula_says(world):
+    _check(spawn(_measure, world, "flat", timeout=600), world, 1, False)
+
+
+@pytest.mark.parametrize("per_node", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_two_level_layout_holds_what_the_formula_says(per_node):
+    results = spawn(_measure, 2 * per_node, "two_level", timeout=600, env={"LOCAL_WORLD_SIZE": str(per_node)})
+    _check(results, 2 * per_node, per_node, True)
+
+
+def test_round_temporaries_count_live_storages_until_freed():
+    """The tracker: a storage counts from the op that makes it until its last view goes; views,
+    in-place results and outputs into existing tensors add nothing."""
+    kept = torch.zeros(1000)
+    with RoundTemporaries() as mode:
+        a = torch.empty(1000)  # 4000 bytes
+        view = a[10:20]
+        b = a * 2  # another 4000
+        kept.add_(1.0)  # in place on a storage made elsewhere
+        torch.mul(kept, 3.0, out=kept)
+        del a
+        assert mode.live == 8000  # the view keeps a's storage
+        del view
+        assert mode.live == 4000
+        del b
+        c = torch.ones(250)
+        assert mode.live == 1000
+    assert mode.peak == 8000 and c.numel() == 250
+
+
+def test_the_planner_pieces_are_the_engines():
+    assert memory.MAX_PIECE_VALUES == MAX_PIECE_VALUES
