@@ -116,3 +116,66 @@ def test_round_temporaries_count_live_storages_until_freed():
 
 def test_the_planner_pieces_are_the_engines():
     assert memory.MAX_PIECE_VALUES == MAX_PIECE_VALUES
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_pieced_torch_encode_gives_the_whole_buffers_bits_without_its_temporaries(stochastic):
+    """The torch path of the compressed reduce-scatter (what a GPU runs) against one whole-buffer
+    compress with the same error state and generator: the same sums and the same error state,
+    round after round, while no temporary as large as an fp32 copy of the gradient is made."""
+    from acco_loco.feedback import ErrorFeedback, compress
+    from acco_loco.registry import GradCodecSpec, make_codec
+    from engine.collectives import CompressedGrads
+    from engine.comm import Comm
+
+    numel, group, count = 8 * 4096, 128, 3
+    kernels_were = __import__("acco_loco.kernels", fromlist=["use"])
+    kernels_were.use(False)
+    try:
+        grads = CompressedGrads(GradCodecSpec("loco", "int4"), numel, 1, group, "float32", 0.8, 1024, "int8",
+                                torch.device("cpu"), stochastic=stochastic, seed=5)
+        codec = make_codec("int4", group_size=group)
+        ref = ErrorFeedback("loco", numel, beta=0.8, group_size=group)
+        gen = torch.Generator().manual_seed(5) if stochastic else None
+        comm = Comm(0, 1, chunks=8)
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):
+            full = torch.randn(numel, generator=g)
+            with RoundTemporaries() as mode:
+                got = grads.reduce(comm, full, count).sum
+            got = got.clone()
+            payload, scales, _ = compress(full / count, codec, ref, gen, check_finite=False)
+            want = count * codec.decode(payload, scales)
+            assert torch.equal(got, want)
+            assert torch.equal(grads.feedback._codes, ref._codes) and torch.equal(grads.feedback._scales, ref._scales)
+            if step:  # (the first round also makes the kept output and wire buffers)
+                assert mode.peak < 4 * numel, mode.peak  # the old whole-buffer encode made five of them
+    finally:
+        kernels_were.use(True)
+
+
+def _native_in_pieces(rank: int, world: int):
+    import torch.distributed as dist
+
+    from engine.comm import Comm
+
+    dist.init_process_group("gloo")
+    comm = Comm(rank, world, chunks=3)
+    g = torch.Generator().manual_seed(rank)
+    full = (torch.randn(world * 960, generator=g) * (rank + 1)).to(torch.bfloat16)
+    by_rows = comm.reduce_scatter_sum(full).clone()
+    comm.native_reduce_scatter = True
+    native = comm.reduce_scatter_sum(full).clone()
+    return by_rows, native, comm._buffers[("rs.fp32",)].numel(), {k: v.numel() for k, v in comm._buffers.items()}
+
+
+def test_the_native_reduce_scatter_widens_one_piece_at_a_time():
+    """NCCL's path (forced on gloo): a bf16 gradient is reduced in fp32 a piece at a time through
+    one fp32 buffer a piece long, with the all-to-all path's sums; the gloo path keeps two
+    piece slots to send and two to receive, whatever the number of pieces."""
+    world = 3
+    for by_rows, native, fp32_values, kept in spawn(_native_in_pieces, world):
+        torch.testing.assert_close(native, by_rows, rtol=1e-6, atol=1e-6)
+        assert fp32_values == world * 320  # a third of the shard from every rank: 1/3 of the gradient
+        assert sorted(k for k in kept if k[0] in ("rs.recv", "rs.send")) == [
+            ("rs.recv", 0), ("rs.recv", 1), ("rs.send", 0), ("rs.send", 1)]
