@@ -80,8 +80,8 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
                kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
                compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
                optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
-    """Bytes one rank holds after a step of a sharded strategy (zero1, dpu, acco with
-    ``kept_shards`` 1) on an unsharded model, by the
+    """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
+    it keeps between rounds) on an unsharded model, by the
     categories of engine/memory_accounting.py, plus ``temporaries``: the largest set a round
     makes (the torch path; CPU's fused kernels make fewer and keep a shard-long fp32 scratch).
 
