@@ -237,7 +237,8 @@ class Engine:
             engine = cls(model, opened.cfg, loss_fn)
             error: Exception | None = None
             try:
-                engine.load_state_dict(*opened.rank_state(engine.rank, engine.world_size, engine._recut))
+                engine.load_state_dict(*opened.rank_state(engine.rank, engine.world_size,
+                                                      partial(recut, engine.ctx, engine.plan, engine.topology)))
             except Exception as exc:  # any rank's failure stops every rank here, not in its first round
                 error = exc
             checkpoint_load.agree_loaded(engine.comm, engine.device, engine.watchdog, opened.path, error,
@@ -245,10 +246,6 @@ class Engine:
             return engine
         finally:
             opened.close()
-
-    def _recut(self, old: list, where: str) -> tuple[dict, dict, dict]:
-        """A checkpoint of another world size re-cut for this rank (engine/reshard.py)."""
-        return recut(self.ctx, self.plan, self.topology, old, where)
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's whole training state as (tensors, JSON-able metadata): counters, the
@@ -279,10 +276,7 @@ class Engine:
         batch = self.placement(batch)
         loss = checked_loss(self.loss_fn(self.model, batch))
         loss.backward()
-        self.state.pending_count += 1
-        self.state.pending_samples += batch_size(batch)
-        self.state.pending_loss += loss.detach().float()
-        self.state.consumed += 1
+        self.state.add_micro_batch(batch_size(batch), loss)
         self.clock.stop(span, partial(self._micro_batch_timed, self.round_index))
 
     def _micro_batch_timed(self, round_index: int, t0: float, t1: float) -> None:

@@ -28,6 +28,7 @@ own world size, or from a checkpoint at a step boundary (periodic checkpoints ar
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
@@ -75,9 +76,7 @@ def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dic
     and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a report
     {carried, dropped} for the log."""
     if ctx.cfg.model_sharding != "none" or old[0][1].get("model_sharding", "none") != "none":
-        from .sharding import recut_rails  # each rail's chunks re-cut as a flat run's shards
-
-        return recut_rails(ctx, plan, old, where, recut)
+        return recut_rails(ctx, plan, old, where)  # each rail's chunks re-cut as a flat run's shards
     n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
     flat = ctx.flat
     numel, padded = flat.numel, flat.padded
@@ -175,3 +174,26 @@ def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dic
         dropped.append(f"workers {list(range(world, n))}'s own state"
                        + (" (their local progress since the last outer round)" if local else ""))
     return out, meta, {"carried": carried, "dropped": dropped}
+
+
+def recut_rails(ctx: RoundContext, plan: RoundPlan, old: list[tuple[dict, dict]], where: str) -> tuple[dict, dict, dict]:
+    """Resume a node-sharded checkpoint at another number of nodes: the state of rank (m, l) is
+    chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
+    ``recut`` (the flat rules above, M ranks for N). The ranks per node must stay: the local
+    buffers are cut by them."""
+    meta0, layout = old[0][1], getattr(ctx.flat, "layout", None)
+    saved, here = meta0.get("model_sharding", "none"), ctx.cfg.model_sharding
+    if saved != here:
+        raise ReshardError(f"{where} was written with model_sharding={saved!r} and this run has {here!r}: resume "
+                           f"with model_sharding={saved!r}")
+    g_old, g = meta0["ranks_per_node"], layout.ranks_per_node
+    if g_old != g:
+        raise ReshardError(f"{where} was written by a model_sharding='node' run of {g_old} ranks per node and this "
+                           f"run has {g}: the local shards are cut by the node's ranks, so only another number of "
+                           f"nodes is re-cut. Resume with {g_old} ranks per node (LOCAL_WORLD_SIZE / ranks_per_node)")
+    rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
+    view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
+                           grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
+    tensors, meta, report = recut(view, plan, "flat", rail, where)
+    meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
+    return tensors, meta, report

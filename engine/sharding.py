@@ -188,30 +188,3 @@ def build_sharded_context(engine, named: list) -> RoundContext:
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec, shard_state=init_state(owned, engine.spec),
                         grads=ShardGrads(inner_grads, node, rail, layout),
                         params=ShardParams(inner_params, node, rail, layout), gather_buf=flat.data.clone())
-
-
-def recut_rails(ctx: RoundContext, plan, old: list[tuple[dict, dict]], where: str, recut) -> tuple[dict, dict, dict]:
-    """Resume a node-sharded checkpoint at another number of nodes: the state of rank (m, l) is
-    chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
-    ``recut`` (engine/reshard.py's rules, M ranks for N). The ranks per node must stay: the local
-    buffers are cut by them."""
-    from types import SimpleNamespace
-
-    from .reshard import ReshardError
-
-    meta0, layout = old[0][1], getattr(ctx.flat, "layout", None)
-    saved, here = meta0.get("model_sharding", "none"), ctx.cfg.model_sharding
-    if saved != here:
-        raise ReshardError(f"{where} was written with model_sharding={saved!r} and this run has {here!r}: resume "
-                           f"with model_sharding={saved!r}")
-    g_old, g = meta0["ranks_per_node"], layout.ranks_per_node
-    if g_old != g:
-        raise ReshardError(f"{where} was written by a model_sharding='node' run of {g_old} ranks per node and this "
-                           f"run has {g}: the local shards are cut by the node's ranks, so only another number of "
-                           f"nodes is re-cut. Resume with {g_old} ranks per node (LOCAL_WORLD_SIZE / ranks_per_node)")
-    rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
-    view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
-                           grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
-    tensors, meta, report = recut(view, plan, "flat", rail, where)
-    meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
-    return tensors, meta, report

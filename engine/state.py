@@ -21,6 +21,13 @@ class EngineState:
         self.pending_count, self.pending_samples = 0, 0
         self.pending_loss = torch.zeros((), dtype=torch.float32, device=device)
 
+    def add_micro_batch(self, samples: int, loss: torch.Tensor) -> None:
+        """One more micro-batch taken from this worker's data and accumulated."""
+        self.pending_count += 1
+        self.pending_samples += samples
+        self.pending_loss += loss.detach().float()
+        self.consumed += 1
+
     def state_dict(self) -> dict:
         return {"step": self.step, "round_index": self.round_index, "consumed": self.consumed,
                 "pending_count": self.pending_count, "pending_samples": self.pending_samples,

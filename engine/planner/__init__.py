@@ -6,7 +6,7 @@ memory per GPU, the measured loss per sample and the time to AdamW's loss, and r
 - ``modes``: the candidates, every registered strategy with a spec (engine/strategies/spec.py:
   the strategies own their facts; no file here names one), with codecs, exchanges, model sharding;
 - ``wire``: bytes per step and link class, from the strategies' own byte formulas
-  (docs/design/zero1.md, docs/local_steps.md, docs/onebit_adam.md);
+  (the memory sections of docs/design/ and of the strategies' topic files);
 - ``hardware``: compute and comm-side costs (GPU node, or the CPU testbed's measured constants);
 - ``timeline``: a step's time from the strategy's round plan;
 - ``memory``: the training state per GPU; ``activations``: one micro-batch's, with and without

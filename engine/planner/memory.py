@@ -1,5 +1,5 @@
 """Bytes per GPU of the training state (activations: engine/planner/activations.py), from
-docs/design/zero1.md, docs/local_steps.md and docs/onebit_adam.md: memory per parameter. Each
+the memory sections of docs/design/ and of the strategies' topic files: memory per parameter. Each
 strategy names the formula its state follows (its spec's ``MemorySpec``,
 engine/strategies/spec.py); the numbers are here, one function per formula.
 

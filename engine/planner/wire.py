@@ -3,7 +3,7 @@
 A strategy's spec gives one round's bytes per rank over a flat group, by collective
 (engine/strategies/spec.py): the counts are ``Comm``'s (engine/comm.py), built from the codecs'
 own ``wire_bytes``, so that they match the engine's counters exactly (docs/design/wire.md,
-docs/design/zero1.md, docs/local_steps.md, docs/onebit_adam.md). Here they are put on the links
+the strategies' topic files under docs/). Here they are put on the links
 they cross, the same way for every strategy.
 
 Through one node's network link (G ranks per node, M nodes; ranks ordered node by node): a
