@@ -339,7 +339,7 @@ class CastParams(_Gatherer):
         if piece.dtype != self.wire_dtype or not piece.is_contiguous():
             piece = comm.slot("params.cast", k, self._bounds, 1, self.wire_dtype, dev).view(-1).copy_(piece)
         if len(self._bounds) == 1 and held.dtype == self.wire_dtype:
-            recv = held
+            recv = held.detach()  # an alias outside autograd: the backend writes it in place
         else:
             recv = comm.slot("params.recv", k, self._bounds, comm.world_size, self.wire_dtype, dev)
         self._pending.append((k, recv, comm.all_gather_start(recv.view(-1), piece)))
@@ -351,7 +351,7 @@ class CastParams(_Gatherer):
             k, recv, work = self._pending.pop(0)
             if work is not None:
                 work.wait()
-            if recv is not self._held:
+            if recv.data_ptr() != self._held.data_ptr():  # not gathered in place
                 a, b = self._bounds[k]
                 rows[:, a:b].copy_(recv)  # while the later pieces are still on the wire
 

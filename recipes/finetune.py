@@ -547,11 +547,20 @@ class RunLog:
         self.pending = []
         return self.steps(entries, elapsed, walls)
 
-    def steps(self, history: list[dict], elapsed: float, walls: list[float] | None = None) -> float:
+    def write_kept_alone(self, elapsed: float) -> None:
+        """After an error: the kept rows from this rank's entries alone (no gather: a peer may be
+        gone), so a crash keeps the rows of the steps before it."""
+        if self.pending:
+            entries, walls = [e for e, _ in self.pending], [w for _, w in self.pending]
+            self.pending = []
+            self.steps(entries, elapsed, walls, alone=True)
+
+    def steps(self, history: list[dict], elapsed: float, walls: list[float] | None = None,
+              alone: bool = False) -> float:
         """A train line per committed step of every worker's history (all ranks call it for the
-        same steps); each step's elapsed_s is ``elapsed`` (when its piece of the loop began) plus
-        the time_s of the steps up to it. Returns the elapsed_s of the last."""
-        every = gather(history, self.group)
+        same steps; ``alone``: this rank's only); each step's elapsed_s is ``elapsed`` (when its
+        piece of the loop began) plus the time_s of the steps up to it. Returns the elapsed_s of the last."""
+        every = [history] if alone else gather(history, self.group)
         for i, entry in enumerate(every[0]):
             per = [h[i] if i < len(h) else {} for h in every]
             self.samples_total += entry["samples"]
@@ -593,19 +602,25 @@ def train(cfg: FinetuneConfig, engine: Engine, model, stream, held_tokens, log: 
             steps = min(steps, cfg.eval_every - engine.step % cfg.eval_every)
         start, seen, elapsed = engine.step, len(engine.history), log.elapsed()
         engine.begin(steps)
-        while True:
-            for entry in engine.history[seen:]:  # every rank commits each step once
-                last = entry["step"] >= start + steps
-                at_checkpoint = bool(cfg.checkpoint_every) and entry["step"] % cfg.checkpoint_every == 0
-                elapsed = log.commit(entry, elapsed, flush=last or at_checkpoint)
-            seen = len(engine.history)
-            if engine.done:
-                break
-            batch = next(batches, _END)
-            if batch is _END:
-                engine.finish()  # this worker's data ran out: every rank stops at the same step
-            else:
-                engine.feed(batch)
+        try:
+            while True:
+                for entry in engine.history[seen:]:  # every rank commits each step once
+                    last = entry["step"] >= start + steps
+                    at_checkpoint = bool(cfg.checkpoint_every) and entry["step"] % cfg.checkpoint_every == 0
+                    elapsed = log.commit(entry, elapsed, flush=last or at_checkpoint)
+                seen = len(engine.history)
+                if engine.done:
+                    break
+                batch = next(batches, _END)
+                if batch is _END:
+                    engine.finish()  # this worker's data ran out: every rank stops at the same step
+                else:
+                    engine.feed(batch)
+        except BaseException:
+            for entry in engine.history[seen:]:
+                log.pending.append((entry, time.time()))
+            log.write_kept_alone(elapsed)
+            raise
         elapsed = log.commit_rest(elapsed)  # the data ran out before the piece's last step
         if engine.step == start:  # some worker's data ran out
             say(f"stopped at step {engine.step}: the data ran out")

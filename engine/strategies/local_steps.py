@@ -1,20 +1,16 @@
 """What diloco and sparseloco share (docs/local_steps.md): every worker takes inner optimizer
-steps alone on its own full copy of the parameters, and an outer round every H inner steps moves
-the synchronised parameters ``theta_sync`` (the same on every replica) by the workers' combined
-pseudo-gradients ``Delta_w = theta_sync - theta_w``.
+steps alone on its own full copy, and an outer round every H inner steps moves ``theta_sync`` (the
+same on every replica) by the workers' pseudo-gradients ``Delta_w = theta_sync - theta_w``.
 
 Compute side (the caller's thread; engine/loops/local_steps.py calls these in this order):
-
     inner_step     one optimizer step of this worker alone on the micro-batches it just ran
     round_due      whether the outer round starts now (every H inner steps, or the period)
     before_round   overlap: merge the last round's result; snapshot theta_w as the round's input
     after_round    no overlap: theta_w = theta_sync; overlap: the merge waits for before_round
 
 Comm side: ``run_round`` (one small all-reduce, then the subclass's exchange and outer step).
-
-The inner optimizer is ``cfg.optimizer`` (AdamW by default) on the whole padded flat buffer: the
-engine gives local-step strategies a full-size ``ctx.shard_state`` (fp32 master and moments),
-whose master is theta_w; the model's parameters are its copy in the compute dtype.
+The inner optimizer is ``cfg.optimizer`` on the whole padded flat buffer: a full-size
+``ctx.shard_state`` whose master is theta_w; the model's parameters are its compute-dtype copy.
 """
 
 from __future__ import annotations
