@@ -29,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.listed_slow)
             found.add(item.nodeid)
     if config.args_source == pytest.Config.ArgsSource.TESTPATHS and slow - found:
         raise pytest.UsageError(f"tests/slow_tests.txt names tests that do not exist: {sorted(slow - found)}; "
