@@ -66,7 +66,6 @@ class FlatParams:
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
 
-
     def install(self, values: torch.Tensor) -> None:
         """Make ``values`` (a whole padded buffer) the parameters the compute side runs on."""
         self.data.copy_(values)
