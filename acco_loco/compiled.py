@@ -1,5 +1,5 @@
-"""The round's encode + error feedback (acco_loco/feedback.py ``compress``: compensate, encode,
-update the error) compiled with torch.compile: on a GPU, Inductor turns its ~20 eager passes over
+"""The round's encode + error feedback (acco_loco/feedback.py ``compress``, and the engine's
+per-piece form ``compress_piece``: compensate, encode, update the error) compiled with torch.compile: on a GPU, Inductor turns its ~20 eager passes over
 the buffer into a few Triton kernels. The same torch source as the eager path, so the payload's
 bits are the eager ones where no floating-point sum changes order (the int codecs' max |x| per
 group; tests/engine/test_compiled_codecs.py); the compensation ``h = x + q * scale`` may fuse the
@@ -17,10 +17,12 @@ import os
 import torch
 
 from .feedback import compress as eager_compress
+from .feedback import compress_piece as eager_piece
 
 log = logging.getLogger("acco_loco")
 
 _compiled = None
+_compiled_piece = None
 failed: str | None = None  # why the compiled path was given up, once it was
 
 
@@ -60,7 +62,28 @@ def compress(x, codec, feedback, generator=None, *, update: bool = True, check_f
         return eager_compress(x, codec, feedback, None, update=update, check_finite=False)
 
 
+def compress_piece(x, codec, state, state_codec, beta: float, zero: bool, update: bool, generator=None):
+    """``feedback.compress_piece`` compiled: what the engine's reducer runs on each piece of the
+    buffer (``ErrorFeedback.in_pieces(..., run=compress_piece)``), so the compiled path keeps the
+    pieced path's temporaries (one piece long). Pieces of one length share one compiled graph
+    (the offset is not an argument: the state comes as views); eager for a generator or once
+    compiling failed. A failed compile ran nothing, so that piece's state is untouched and the
+    eager code takes it from there."""
+    global _compiled_piece, failed
+    if generator is not None or failed is not None:
+        return eager_piece(x, codec, state, state_codec, beta, zero, update, generator)
+    if _compiled_piece is None:
+        _compiled_piece = torch.compile(eager_piece, fullgraph=True, dynamic=False)
+    try:
+        return _compiled_piece(x, codec, state, state_codec, beta, zero, update)
+    except Exception as exc:
+        failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.warning("acco_loco: compiling the encode + error feedback failed (%s); running the eager torch "
+                    "code instead (same results, slower on a GPU)", failed)
+        return eager_piece(x, codec, state, state_codec, beta, zero, update, None)
+
+
 def reset() -> None:
-    """Forget the compiled function and any failure (tests)."""
-    global _compiled, failed
-    _compiled, failed = None, None
+    """Forget the compiled functions and any failure (tests)."""
+    global _compiled, _compiled_piece, failed
+    _compiled, _compiled_piece, failed = None, None, None

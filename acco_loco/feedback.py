@@ -26,6 +26,7 @@ int8 step (``absmax(e_group) / 127 / 2``) of the formula applied to the previous
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ from torch import Tensor
 from .codecs import Codec
 from .int_codec import IntCodec
 
-__all__ = ["FEEDBACK_KINDS", "ERROR_STORAGES", "ErrorFeedback", "compress"]
+__all__ = ["FEEDBACK_KINDS", "ERROR_STORAGES", "ErrorFeedback", "compress", "compress_piece"]
 
 FEEDBACK_KINDS: tuple[str, ...] = ("none", "ef", "loco")
 ERROR_STORAGES: tuple[str, ...] = ("int8", "fp32")
@@ -153,13 +154,7 @@ class ErrorFeedback:
         ``zero``: e is known to be 0."""
         if not self.active:
             return h
-        e, codes, scales = self._state(at, h.numel())
-        if e is not None:
-            return h.add_(e)
-        if not zero:
-            # h += q * scale in one pass (fused multiply-add where the backend has one)
-            self._codec.decode(codes, scales, out=h, accumulate=True)
-        return h
+        return _compensate(h, self._state(at, h.numel()), self._codec, zero)
 
     def update(self, h: Tensor, sent: Tensor) -> None:
         """``e = beta*e + (1-beta)*(h - sent)`` where ``sent = deQ(Q(h))`` (fp32)."""
@@ -173,25 +168,11 @@ class ErrorFeedback:
     def _absorb(self, d: Tensor, at: int, zero: bool) -> None:
         """The update for this round's compression error ``d = h - sent`` (fp32, overwritten) of
         values ``[at, at + len(d))`` (whole groups); ``zero``: e was known to be 0."""
-        e, codes, scales = self._state(at, d.numel())
-        if e is not None:
-            if self.beta == 0.0:
-                e.copy_(d)
-            else:
-                e.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
-            return
-        if self.beta == 0.0 or zero:
-            new = d.mul_(1.0 - self.beta) if self.beta else d
-        else:
-            new = self._codec.decode(codes, scales)
-            new.mul_(self.beta).add_(d, alpha=1.0 - self.beta)
-        # Non-finite h was already refused by the wire codec's encode.
-        new_codes, new_scales = self._codec.encode(new, check_finite=False)
-        codes.copy_(new_codes)
-        scales.copy_(new_scales)
+        _absorb(d, self._state(at, d.numel()), self._codec, self.beta, zero)
 
     @contextmanager
-    def in_pieces(self, codec: Codec, generator: torch.Generator | None = None, *, update: bool = True):
+    def in_pieces(self, codec: Codec, generator: torch.Generator | None = None, *, update: bool = True,
+                  run: Callable | None = None):
         """One pass of :func:`compress` over the buffer in pieces, for memory: yields
         ``piece(x, at) -> (payload, scales)``, which compensates, encodes and (``update``) moves
         the error of values ``[at, at + len(x))`` (whole groups; each value once per pass), with
@@ -200,20 +181,16 @@ class ErrorFeedback:
         bits of one whole-buffer ``compress``; stochastic rounding draws its uniforms in call
         order, so pieces taken in buffer order draw what the whole would on the CPU (CUDA's
         counter-based generator draws other, equally uniform, values). The pass never checks
-        finiteness (the engine's round does); "known to be zero" is the pass's start state."""
-        zero = self._zero
+        finiteness (the engine's round does); "known to be zero" is the pass's start state.
+        ``run``: what computes a piece, :func:`compress_piece`'s signature (acco_loco/compiled.py
+        passes its compiled form); default the eager function."""
+        zero, run = self._zero, run or compress_piece
 
         def piece(x: Tensor, at: int) -> tuple[Tensor, Tensor]:
             self._check(x, "x", at)
             if not self.active:
                 return codec.encode(x, generator, check_finite=False)
-            h = self._compensate(x, at, zero)  # x itself, in place
-            payload, scales, sent = codec.encode_with_decoded(h, generator, check_finite=False)
-            if update:
-                d = h.sub_(sent)  # the compression error, in h's memory
-                del sent  # before the error's re-encode makes its own temporaries
-                self._absorb(d, at, zero)
-            return payload, scales
+            return run(x, codec, self._state(at, x.numel()), self._codec, self.beta, zero, update, generator)
 
         yield piece
         if update and self.active:
@@ -400,3 +377,53 @@ def compress(
     if update:
         feedback.update(h, sent)
     return payload, scales, sent
+
+
+# -- one piece's arithmetic, on explicit views of the state (what acco_loco/compiled.py compiles) --
+
+State = tuple[Tensor | None, Tensor | None, Tensor | None]  # views: (fp32 e, int8 codes, their scales)
+
+
+def _compensate(h: Tensor, state: State, state_codec: Codec | None, zero: bool) -> Tensor:
+    """``h += e`` in place on fp32 ``h``; ``zero``: e is known to be 0."""
+    e, codes, scales = state
+    if e is not None:
+        return h.add_(e)
+    if not zero:
+        # h += q * scale in one pass (fused multiply-add where the backend has one)
+        state_codec.decode(codes, scales, out=h, accumulate=True)
+    return h
+
+
+def _absorb(d: Tensor, state: State, state_codec: Codec | None, beta: float, zero: bool) -> None:
+    """Move the state to ``beta * e + (1 - beta) * d`` for this round's compression error
+    ``d = h - sent`` (fp32, overwritten); ``zero``: e was known to be 0."""
+    e, codes, scales = state
+    if e is not None:
+        if beta == 0.0:
+            e.copy_(d)
+        else:
+            e.mul_(beta).add_(d, alpha=1.0 - beta)
+        return
+    if beta == 0.0 or zero:
+        new = d.mul_(1.0 - beta) if beta else d
+    else:
+        new = state_codec.decode(codes, scales)
+        new.mul_(beta).add_(d, alpha=1.0 - beta)
+    # Non-finite h was already refused by the wire codec's encode.
+    new_codes, new_scales = state_codec.encode(new, check_finite=False)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+
+
+def compress_piece(x: Tensor, codec: Codec, state: State, state_codec: Codec | None, beta: float, zero: bool,
+                   update: bool, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`compress` on one piece, the error state given as views of its values: compensate
+    ``x`` in place, encode, and (``update``) write the new error into ``state``."""
+    h = _compensate(x, state, state_codec, zero)
+    payload, scales, sent = codec.encode_with_decoded(h, generator, check_finite=False)
+    if update:
+        d = h.sub_(sent)  # the compression error, in h's memory
+        del sent  # before the error's re-encode makes its own temporaries
+        _absorb(d, state, state_codec, beta, zero)
+    return payload, scales

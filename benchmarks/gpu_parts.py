@@ -242,15 +242,20 @@ def codecs(args) -> dict:
     return out
 
 
-def _feedback_step(codec, feedback, compiled: bool):
-    """The engine's encode + error feedback of one round (compensate, encode, update) as it runs
-    on the device: eager, or through acco_loco.compiled (the engine's compiled path)."""
+def _feedback_step(codec, feedback, compiled: bool, pieces: int = 8):
+    """The engine's encode + error feedback of one round as it runs on the device: the buffer in
+    ``pieces`` pieces through ``ErrorFeedback.in_pieces`` (each piece copied to fp32 first, as
+    the reducer does), eager or through acco_loco.compiled (the engine's compiled path)."""
     from acco_loco import compiled as compiled_codecs
-    from acco_loco.feedback import compress
 
-    if compiled:
-        return lambda x: compiled_codecs.compress(x, codec, feedback)
-    return lambda x: compress(x, codec, feedback, check_finite=False)
+    run = compiled_codecs.compress_piece if compiled else None
+
+    def step(x):
+        size = -(-x.numel() // pieces // 128) * 128
+        with feedback.in_pieces(codec, run=run) as piece:
+            for a in range(0, x.numel(), size):
+                piece(x[a:a + size].to(torch.float32, copy=True), a)
+    return step
 
 
 # ------------------------------------------------------------------------------ overlap

@@ -27,13 +27,12 @@ bit-identical and the owner's exact fp32 master carries any error into the next 
 
 from __future__ import annotations
 
-import math
 from contextlib import ExitStack
 
 import torch
 
 from acco_loco import compiled, kernel_policy, kernels
-from acco_loco.feedback import ErrorFeedback, compress
+from acco_loco.feedback import ErrorFeedback
 from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
 from .comm import Comm
@@ -147,21 +146,6 @@ class CompressedGrads:
         self._output = _Output()
         self._weight: torch.Tensor | None = None
 
-    def encode(self, full: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, scales) of this worker's compensated mean gradient; the error state moves on.
-
-        Nothing here reads the gradient on the host: a non-finite gradient is encoded like any
-        other (the codecs map it to non-finite or zero groups), the round's flags make every
-        rank skip the step, and the skip rolls the error state back to the step's mark."""
-        mean = full.to(torch.float32) / max(count, 1)
-        if not self.feedback.active:  # nothing to compensate: no decoded copy needed
-            return self.codec.encode(mean, self.generator, check_finite=False)
-        # on a GPU the encode + error feedback compiled into a few kernels (acco_loco/compiled.py)
-        run = compiled.compress if self.compiled else compress
-        payload, scales, _ = run(mean, self.codec, self.feedback, self.generator, update=count > 0,
-                                 check_finite=False)
-        return payload, scales
-
     def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
         """fp32 sum over workers of count_w * deQ(mean_w) for this rank's shard (into ``out``
         when given), and whether ``full`` held a NaN/Inf, found on the way through it.
@@ -195,7 +179,7 @@ class CompressedGrads:
     def _send_and_sum(self, comm, full, count, fused, segs, sends, recvs, out, codes, escales, zero):
         """Encode each piece for every destination, put it on the wire, decode and sum the
         pieces received; returns whether ``full`` held a NaN/Inf (the kernels': a bool; else a flag)."""
-        n, codec, dev, shard = self.world, self.codec, full.device, full.numel() // self.world
+        n, codec, shard = self.world, self.codec, full.numel() // self.world
         fb = self.feedback
         with ExitStack() as stack:
             if fused:
@@ -203,21 +187,14 @@ class CompressedGrads:
                 group, bits, beta = codec.group_size, codec.bits, fb.beta if fb.active else 0.0
                 xp = full.data_ptr()
                 cp, ep = (None, None) if codes is None else (codes.data_ptr(), escales.data_ptr())
-            elif self.compiled:
-                # a GPU with Triton: the whole buffer's encode + error feedback compiled into a few
-                # kernels (acco_loco/compiled.py), not yet in pieces: its temporaries are P long
-                bad = nonfinite_flag(full)
-                payload, scales = self.encode(full, count)
-                rows, scale_rows = payload.view(n, -1), _scale_bytes(scales).view(n, -1)
-                for (a, b, p, s), send in zip(segs, sends):
-                    send[:, :p].copy_(rows[:, codec.payload_bytes(a):codec.payload_bytes(b)])
-                    send[:, p:p + s].copy_(scale_rows[:, codec.scale_bytes(a):codec.scale_bytes(b)])
             else:
                 # torch: each destination's piece on its own (temporaries one piece long, never
-                # the gradient's size); stochastic rounding draws in buffer order (each row's
+                # the gradient's size), compiled into a few kernels on a GPU with Triton
+                # (acco_loco/compiled.py); stochastic rounding draws in buffer order (each row's
                 # pieces in turn), so every piece is encoded before the first is sent
                 bad = nonfinite_flag(full)
-                piece = stack.enter_context(fb.in_pieces(codec, self.generator, update=count > 0))
+                run = compiled.compress_piece if self.compiled else None
+                piece = stack.enter_context(fb.in_pieces(codec, self.generator, update=count > 0, run=run))
                 if self.generator is not None:
                     for j in range(n):
                         for k in range(len(segs)):
@@ -229,7 +206,7 @@ class CompressedGrads:
                     bad |= kernels.encode(xp + 4 * a, n, shard, b - a, max(count, 1), bits, group, send.data_ptr(),
                                           send.shape[1], p, None if cp is None else cp + a,
                                           None if ep is None else ep + 4 * (a // group), zero, count > 0, beta)
-                elif not self.compiled and self.generator is None:
+                elif self.generator is None:
                     for j in range(n):
                         self._encode_into(piece, full, count, j, segs[k], send)
                 pending.append((k, comm.all_to_all_start(recvs[k], send)))

@@ -57,6 +57,33 @@ def test_a_failed_compile_falls_back_to_eager_with_the_state_untouched(monkeypat
     assert not compiled.available("cuda")  # given up for good
 
 
+def _pieced(fb, codec, x, run, piece=256):
+    """One round of the reducer's pass over ``x`` in pieces: the payloads, scales concatenated."""
+    out = []
+    with fb.in_pieces(codec, run=run) as encode:
+        for a in range(0, x.numel(), piece):
+            out.append(encode(x[a:a + piece].clone(), a))
+    return torch.cat([p for p, _ in out]), torch.cat([s for _, s in out])
+
+
+def test_a_failed_piece_compile_falls_back_to_eager_with_the_state_untouched(monkeypatch, caplog):
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("no Triton here")
+        return run
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    codec = make_codec("int4", group_size=128)
+    fb, ref = (ErrorFeedback("loco", 1024, device="cpu") for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="acco_loco"):
+        for seed in range(3):
+            got = _pieced(fb, codec, _x(seed=seed), compiled.compress_piece)
+            want = _pieced(ref, codec, _x(seed=seed), None)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert compiled.failed.startswith("RuntimeError: no Triton here")
+    assert sum("compiling the encode + error feedback failed" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(fb.error(), ref.error())
+
+
 def test_the_reducer_runs_the_compiled_path_where_available(monkeypatch):
     """ACCO with loco4 on the torch path (the fused CPU kernels off, as on a GPU): with the
     compiled path taken (torch.compile stubbed: the same function) the run is the eager run."""
@@ -78,7 +105,8 @@ def test_the_reducer_runs_the_compiled_path_where_available(monkeypatch):
         return flat_params(eng.model)
     eager = run(False)
     assert calls == []
-    assert torch.equal(run(True), eager) and len(calls) >= 8  # every round's encode went through it
+    # every round's encode went through it, piece by piece (temporaries one piece long)
+    assert torch.equal(run(True), eager) and len(calls) >= 8
 
 
 @pytest.mark.slow
@@ -98,3 +126,24 @@ def test_compiled_encode_and_feedback_give_the_eager_payload(name):
         else:
             assert (sent - wsent).abs().max() <= 2 * s.max()  # at most one level of the codec apart
             assert (p != wp).float().mean() < 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_compiled_pieces_give_the_eager_pieces(name):
+    """The engine's compiled path, really compiled (Inductor's C++ on CPU): pieces of 256 values
+    of a 4096-value buffer over three rounds give eager's first-round bits, and later rounds
+    within one codec level (the compensation's multiply-add may fuse differently); one graph
+    serves every piece of a length (no recompile per offset)."""
+    codec = make_codec(name, group_size=128)
+    fb, ref = (ErrorFeedback("loco", 4096, device="cpu") for _ in range(2))
+    for seed in range(3):
+        p, s = _pieced(fb, codec, _x(4096, seed), compiled.compress_piece)
+        wp, ws = _pieced(ref, codec, _x(4096, seed), None)
+        assert compiled.failed is None
+        if seed == 0:
+            assert torch.equal(p, wp) and torch.equal(s, ws)
+        else:
+            assert (p != wp).float().mean() < 0.01
+            assert (codec.decode(p, s) - codec.decode(wp, ws)).abs().max() <= 2 * s.max()
+    assert (fb.error() - ref.error()).abs().max() <= 2 * ref.error().abs().max() / 127
