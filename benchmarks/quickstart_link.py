@@ -6,6 +6,13 @@ instead of the default's choice (bf16 where the CPU has it). Reads each run's
 metrics.jsonl: median s/step over steps 4.., samples/s, wire MB per step, held-out perplexity.
 
     sudo python benchmarks/quickstart_link.py --rate 100mbit --steps 20 --json docs/results/quickstart_100mbit.json
+
+``--against-zero1 RATE[,RATE...]`` instead runs, at each rate, the recipe's defaults (no flags:
+strategy auto, which probes the link) and ``--strategy zero1 --codec none`` side by side, and
+reports the ratios of their step and per-sample times, auto's logged choice and the machine's
+load average before each run (``--extra`` adds the same flags to both):
+
+    sudo python benchmarks/quickstart_link.py --against-zero1 10gbit,100mbit --json OUT.json
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from engine.local_group import free_port  # noqa: E402
 
 
 def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, timeout_s: float) -> dict:
-    port = str(free_port())
+    port, load = str(free_port()), os.getloadavg()
     with Testbed(workers=2, link=LinkSpec(rate=rate), prefix=prefix) as bed:
         procs = []
         for rank in range(2):
@@ -42,6 +49,8 @@ def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, 
         t0 = time.time()
         codes = [p.wait(timeout=max(1.0, timeout_s - (time.time() - t0))) for p in procs]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rank0 = (out.parent / f"{out.name}.rank0.log").read_text()
+    chosen = [x for x in rank0.splitlines() if "no --strategy given" in x or "(--strategy)" in x]
     train = [r for r in rows if r["kind"] == "train"]
     later = [r for r in train if r["step"] >= 4]
     evals = {r["tag"]: r["eval_ppl"] for r in rows if r["kind"] == "eval"}
@@ -49,8 +58,26 @@ def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, 
             "s_per_step_median": statistics.median(r["time_s"] for r in later),
             "samples_per_s": sum(r["samples"] for r in later) / sum(r["time_s"] for r in later),
             "samples_per_step": statistics.median(r["samples"] for r in later),
+            "s_per_sample": sum(r["time_s"] for r in later) / sum(r["samples"] for r in later),
             "wire_mb_per_step_per_worker": statistics.median(statistics.mean(r["wire_bytes"]) for r in later) / 1e6,
-            "ppl_before": evals.get("before"), "ppl_after": evals.get("after")}
+            "ppl_before": evals.get("before"), "ppl_after": evals.get("after"),
+            "strategy_line": chosen[0] if chosen else None, "loadavg_before": load,
+            "loadavg_after": os.getloadavg()}
+
+
+def against_zero1(rates: list[str], steps: int, extra: list[str], work: Path, timeout_s: float) -> dict:
+    """At each rate: the recipe's defaults and zero1 without a gradient codec, back to back."""
+    out = {}
+    for rate in rates:
+        pair = {}
+        for name, flags in (("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none"])):
+            pair[name] = run_recipe(rate, steps, [*flags, *extra], work / f"{rate}_{name}",
+                                    f"qs{os.getpid() % 1000}", timeout_s)
+            print(rate, name, json.dumps(pair[name]), flush=True)
+        d, z = pair["defaults"], pair["zero1"]
+        out[rate] = {**pair, "defaults_over_zero1_s_per_step": d["s_per_step_median"] / z["s_per_step_median"],
+                     "defaults_over_zero1_s_per_sample": d["s_per_sample"] / z["s_per_sample"]}
+    return out
 
 
 def main() -> None:
@@ -60,9 +87,21 @@ def main() -> None:
     p.add_argument("--tuned-chunks", type=int, default=8, help="the hand-set --comm-chunks to compare with")
     p.add_argument("--timeout-s", type=float, default=1500.0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--against-zero1", help="rates, comma-separated: the defaults against zero1 at each")
+    p.add_argument("--extra", default="", help="flags added to both runs of --against-zero1 (one string)")
     args = p.parse_args()
     exit_unless_testbed()
     work = Path(tempfile.mkdtemp(prefix="acl-quickstart-"))
+    if args.against_zero1:
+        extra = args.extra.split()
+        result = {"layout": "2x1: two torchrun nodes of one rank, each in its own namespace behind a tbf-shaped "
+                            "link, one core each", "steps": args.steps, "extra_flags": extra,
+                  "cpus": os.cpu_count(),
+                  "rates": against_zero1(args.against_zero1.split(","), args.steps, extra, work, args.timeout_s)}
+        print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return
     runs = {}
     for name, extra in (("defaults", []), ("tuned", ["--comm-chunks", str(args.tuned_chunks)]),
                         ("defaults_fp32", ["--compute-dtype", "float32"])):

@@ -2,7 +2,7 @@
 planner and a probe of the cluster it runs on (docs/planning.md, "strategy=auto").
 
 Among the strategies whose spec says their update is AdamW's (never a local-step method, never
-1-bit Adam), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas (a
+1-bit Adam, never dpu's uncorrected stale update: STALE_UPDATES), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas (a
 codec or parameter codec the caller set is kept), it predicts the time per sample of each from
 the measured link rate and the measured compute of a synthetic micro-batch, and takes the
 fastest; modes within 3% of it count as equally fast and the one with the fewest lossy codecs
@@ -30,6 +30,17 @@ import torch
 
 log = logging.getLogger("acco_loco")
 
+# Left out although their spec is AdamW's class: dpu's update is AdamW's one step late with no
+# correction, +16.9% held-out loss against DDP at 3072 samples (docs/results.md, issue 35) and a
+# diverged seed at 1 Gbit/s; a default must keep AdamW's loss per sample (acco corrects the delay).
+STALE_UPDATES = ("dpu",)
+
+
+def candidate_strategies() -> tuple[str, ...]:
+    from .planner.modes import auto_strategies  # the planner loads when auto is used
+
+    return tuple(s for s in auto_strategies() if s not in STALE_UPDATES)
+
 
 @dataclass(frozen=True)
 class AutoChoice:
@@ -50,7 +61,7 @@ def choose_strategy(cfg, model: torch.nn.Module):
         return cfg, None
     from .context import start_process_group
     from .planner.hardware import cpu_testbed, gpu
-    from .planner.modes import CODEC_VARIANTS, Mode, auto_strategies
+    from .planner.modes import CODEC_VARIANTS, Mode
     from .planner.probe import model_step, probe_cluster, time_compute
     from .planner.recommend import TIE, simplicity
     from .planner.shape import ModelShape
@@ -66,7 +77,7 @@ def choose_strategy(cfg, model: torch.nn.Module):
     params = [p for _, p in named]
     out = copy.deepcopy(cfg)
     if world == 1:  # nothing to exchange: the synchronous one (one round, no overlap)
-        out.strategy = min(auto_strategies(), key=lambda s: (Mode(s).rounds, Mode(s).overlap))
+        out.strategy = min(candidate_strategies(), key=lambda s: (Mode(s).rounds, Mode(s).overlap))
         out.validate()
         why = f"strategy=auto -> {out.strategy} (world size 1: nothing to exchange)"
         log.info(why)
@@ -95,7 +106,7 @@ def choose_strategy(cfg, model: torch.nn.Module):
     if not codecs:  # a codec the table does not list: keep it as given
         codecs = [(cfg.codec, cfg.param_codec)]
     scored = []
-    for strategy in auto_strategies():
+    for strategy in candidate_strategies():
         for codec, param_codec in codecs:
             mode = Mode(strategy, codec, param_codec)
             per_step = cfg.global_micro_batches or cfg.micro_batches * world * mode.rounds

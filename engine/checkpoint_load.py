@@ -111,6 +111,13 @@ def _lost_peer(what: str) -> RuntimeError:
                         "error says why); restart the run")
 
 
+def _auto_choice(cfg: EngineConfig, saved: EngineConfig) -> dict:
+    """The saved strategy, and its codecs where ``cfg`` left them to auto (codec "none",
+    param_codec "auto"); a codec ``cfg`` set stays and is checked against the saved one."""
+    free = {"codec": "none", "param_codec": "auto"}
+    return {"strategy": saved.strategy, **{k: getattr(saved, k) for k, v in free.items() if getattr(cfg, k) == v}}
+
+
 def _read_info(path: Path, cfg: EngineConfig | None, loss_fn, max_steps: int | None) -> tuple[dict, EngineConfig]:
     """engine.json, and the configuration to build the engine with (checked against it)."""
     try:
@@ -123,6 +130,8 @@ def _read_info(path: Path, cfg: EngineConfig | None, loss_fn, max_steps: int | N
     if cfg is None:
         cfg = saved_cfg
     else:
+        if cfg.strategy == "auto":  # keep what auto chose when the run began (no new probe)
+            cfg = EngineConfig.from_dict({**cfg.to_dict(), **_auto_choice(cfg, saved_cfg)})
         diff = [f for f in STRUCTURAL_FIELDS if getattr(cfg, f) != getattr(saved_cfg, f)]
         if diff:
             raise ValueError("the checkpoint was written with a different configuration: " + ", ".join(

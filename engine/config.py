@@ -93,7 +93,7 @@ class EngineConfig:
                             "steps alone, outer Nesterov SGD on the averaged pseudo-gradient every "
                             "inner_steps; sparseloco = the same with error feedback and a top-k 2-bit "
                             "pseudo-gradient; onebit_adam = 1-bit Adam: AdamW warmup, then the frozen-variance "
-                            "momentum as 1 bit a value each way; auto = zero1, dpu or acco and their codecs, "
+                            "momentum as 1 bit a value each way; auto = zero1 or acco and their codecs, "
                             "chosen at start by the planner from a probe of the links (engine/auto.py)")
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")

@@ -117,14 +117,25 @@ ENGINE_SET_BY_RECIPE = ("checkpoint_dir", "heartbeat_s", "progress", "record_tim
                         "poison_freed_buffers", "keep_cpu_memory", "betas")
 # Where the recipe's default differs from the engine's (engine/config.py), and why its help
 # differs: each flag's help and choices otherwise come from the engine's settings.
+# Without --strategy the engine's planner chooses the strategy and its codecs from a probe of the
+# link at start (strategy auto, engine/auto.py): zero1 on a fast link, acco + codecs on a slow one.
+# The recipe's codec defaults apply only under a strategy the user named.
+BY_STRATEGY = "default"  # codec flags not given: NAMED_STRATEGY_CODECS, or auto's choice
+NAMED_STRATEGY_CODECS = {"codec": "loco4", "param_codec": "int8"}  # a fine-tune over Ethernet: compress
 RECIPE_DEFAULTS = {
-    "codec": "loco4",  # a fine-tune over Ethernet: compress by default
-    "param_codec": "int8",
+    "strategy": "auto",
+    "codec": BY_STRATEGY,
+    "param_codec": BY_STRATEGY,
     "max_steps": 20,  # the README quick start
     "lr": 6e-4,
     "checkpoint_every": 20,
 }
 RECIPE_HELP = {
+    "strategy": describe_settings()["strategy"].help + "; the recipe's default is auto, its choice logged",
+    "codec": describe_settings()["codec"].help + "; default = loco4 under a named --strategy, auto's choice "
+                                                 "under --strategy auto",
+    "param_codec": describe_settings()["param_codec"].help + "; default = int8 under a named --strategy, "
+                                                             "auto's choice under --strategy auto",
     "compute_dtype": "dtype of forward/backward: auto = bfloat16 where the hardware runs it fast, else float32",
     "max_steps": "committed optimizer steps to reach (with --resume: the new total); also the lr "
                  "schedule's horizon (20: the README quick start)",
@@ -223,7 +234,7 @@ def parse_args(argv=None) -> FinetuneConfig:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path) -> EngineConfig:
+def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path, world: int = 1) -> EngineConfig:
     """The engine's settings from the flags, plus those the recipe sets itself."""
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("engine")}
     if flags.get("model_sharding", "none") != "none":
@@ -233,11 +244,40 @@ def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path) -> En
                           "plain-model export run per rank): use it through the Engine API "
                           "(EngineConfig(model_sharding='node')), or leave --model-sharding none")
     try:
-        return EngineConfig(**{**flags, "compute_dtype": compute_dtype,
+        return EngineConfig(**{**flags, **defaults_by_strategy(cfg, world), "compute_dtype": compute_dtype,
                                "heartbeat_s": min(1.0, cfg.timeout_s / 3),
                                "checkpoint_dir": str(ckpt_dir), "progress": True})
     except ValueError as exc:
         raise RecipeError(str(exc)) from exc
+
+
+def defaults_by_strategy(cfg: FinetuneConfig, world: int) -> dict:
+    """codec and param_codec as given; a flag not given is NAMED_STRATEGY_CODECS' under a named
+    strategy, and the engine's default under auto (what auto reads as "choose it"). Under auto with
+    a fixed batch and no --global-micro-batches, the global batch is fixed at acco's step (2 rounds
+    x the workers x --micro-batches), so that whichever strategy auto picks, a step trains the same
+    samples (16 in the quick start)."""
+    free = describe_settings()
+    out = {k: getattr(cfg, k) if getattr(cfg, k) != BY_STRATEGY
+           else free[k].default if cfg.strategy == "auto" else NAMED_STRATEGY_CODECS[k]
+           for k in NAMED_STRATEGY_CODECS}
+    if cfg.strategy == "auto" and cfg.accumulation == "fixed" and cfg.global_micro_batches is None and world > 1:
+        out.update(global_micro_batches=2 * world * cfg.micro_batches, micro_batches=1)  # the engine takes one
+    return out
+
+
+def describe_strategy(cfg: FinetuneConfig, engine: Engine) -> str:
+    """One line: the strategy and codecs this run uses, and who chose them."""
+    e = engine.cfg
+    if engine.auto_choice is not None:
+        fixed = (f"; global batch {e.global_micro_batches} micro-batches (acco's step, whichever auto picks)"
+                 if cfg.global_micro_batches is None and e.global_micro_batches is not None else "")
+        return f"no --strategy given: {engine.auto_choice.why}{fixed}"
+    if cfg.strategy == "auto":  # resumed: the choice made when the run began
+        return f"strategy {e.strategy}, codec {e.codec}, param codec {e.param_codec}: auto's choice when the run began"
+    given = [k for k in NAMED_STRATEGY_CODECS if getattr(cfg, k) == BY_STRATEGY]
+    return (f"strategy {e.strategy} (--strategy), codec {e.codec}, param codec {e.param_codec}"
+            + (f" ({', '.join(given)}: the recipe's default under a named strategy)" if given else ""))
 
 
 def resolve_compute_dtype(cfg: FinetuneConfig, device: torch.device) -> str:
@@ -640,7 +680,7 @@ def run(cfg: FinetuneConfig) -> None:
 
     # refuse cheap mistakes before loading anything
     compute_dtype = resolve_compute_dtype(cfg, accelerator.device)
-    ecfg = engine_config(cfg, compute_dtype, ckpt_root)
+    ecfg = engine_config(cfg, compute_dtype, ckpt_root, accelerator.num_processes)
     group = host_group(cfg)
     cfg = elastic_restart(cfg, out, group)
     check_output_dir(cfg, out)
@@ -655,6 +695,7 @@ def run(cfg: FinetuneConfig) -> None:
     os.replace(written, out / "config.json")
     accelerator.wait_for_everyone()
     engine, offset_s, samples_total = start_engine(cfg, model, ecfg, out, main, say)
+    say(describe_strategy(cfg, engine))
     if engine.step >= cfg.max_steps:
         say(f"the checkpoint is at step {engine.step} >= --max-steps {cfg.max_steps}: nothing to train")
     if cfg.report_to != "none":

@@ -170,9 +170,9 @@ def test_a_registered_section_is_in_the_recipe_flags(toy):
     ecfg = finetune.engine_config(finetune.parse_args(["--strategy", "toy_zero1", "--toy-factor", "0.5"]),
                                   "float32", Path("/tmp/ckpt"))
     assert ecfg.toy.toy_factor == 0.5
-    with pytest.raises(finetune.RecipeError, match="toy_factor=0.5 set, but strategy 'acco'.*'toy_zero1' reads it"):
+    with pytest.raises(finetune.RecipeError, match="toy_factor=0.5 set, but strategy 'auto'.*'toy_zero1' reads it"):
         finetune.engine_config(finetune.parse_args(["--toy-factor", "0.5"]), "float32", Path("/tmp/ckpt"))
-    with pytest.raises(finetune.RecipeError, match="inner_steps=5 set, but strategy 'acco'"):
+    with pytest.raises(finetune.RecipeError, match="inner_steps=5 set, but strategy 'auto'"):
         finetune.engine_config(finetune.parse_args(["--inner-steps", "5"]), "float32", Path("/tmp/ckpt"))
 
 

@@ -64,7 +64,7 @@ def test_flags_are_generated_from_the_engine_settings():
         assert actions[name].choices == s.choices or (s.choices is None and actions[name].choices is None)
     cfg = finetune.parse_args(["--max-micro-batches", "none", "--group-size", "64", "--max-grad-norm", "1.5"])
     ecfg = finetune.engine_config(cfg, "float32", Path("/tmp/ckpt"))
-    assert (ecfg.max_micro_batches, ecfg.group_size, ecfg.max_grad_norm, ecfg.codec) == (None, 64, 1.5, "loco4")
+    assert (ecfg.max_micro_batches, ecfg.group_size, ecfg.max_grad_norm, ecfg.codec) == (None, 64, 1.5, "none")  # no --strategy: auto chooses the codec
     with pytest.raises(finetune.RecipeError, match="group_size must be a positive multiple of 8"):
         finetune.engine_config(finetune.parse_args(["--group-size", "12"]), "float32", Path("/tmp/ckpt"))
 
