@@ -211,6 +211,10 @@ class EngineConfig:
         if self.topology == "flat":
             raise ValueError("model_sharding='node' shards the model over each node's ranks and runs the exchange "
                              "across nodes on the local shards: it needs topology='auto' or 'two_level', not 'flat'")
+        if self.accumulation == "grow":
+            raise ValueError("model_sharding='node' runs a node's ranks in lockstep (FSDP2's collectives), so every "
+                             "rank of a node must run the same micro-batches per round: use accumulation='fixed' "
+                             "(global_micro_batches, or micro_batches per rank), not 'grow'")
         why = strategy_class(self.strategy).node_sharding_refused if self.strategy in STRATEGIES else None
         if why:
             raise ValueError(f"strategy {self.strategy!r} does not run with model_sharding='node' yet ({why}): use "

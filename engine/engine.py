@@ -83,8 +83,8 @@ class Engine:
         self.run = RunState(rank, self.comm.counter, cfg.record_timeline, cfg.max_steps)
         # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
         # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
-        self.accumulation = Accumulation(cfg, self.plan, rank, world,
-                                         paced=device.type == "cpu" and self.plan.overlap)
+        self.accumulation = Accumulation(cfg, self.plan, rank, world, paced=device.type == "cpu" and self.plan.overlap,
+                                         lockstep=self.layout.ranks_per_node if cfg.model_sharding == "node" else 1)
         writer = CheckpointWriter(self.comm, device, self.watchdog, model, cfg, self.loss_fn,
                                   self.state_dict, self.state)
         self.saver = PeriodicSaver(writer, cfg)  # save(), and checkpoint_every(_s) (engine/checkpoint_periodic.py)
