@@ -435,7 +435,7 @@ def pick_compute_dtype(device: str | torch.device = "cpu") -> torch.dtype:
 
 
 def save_pretrained_plain(
-    model, tokenizer, out_dir: str | os.PathLike, *, overwrite: bool = True
+    model, tokenizer, out_dir: str | os.PathLike, *, overwrite: bool = True, state_dict: dict | None = None
 ) -> Path:
     """Write ``model`` (safetensors + config) and ``tokenizer`` to ``out_dir`` atomically.
 
@@ -443,7 +443,8 @@ def save_pretrained_plain(
     so a crash never leaves a half-written model at ``out_dir``. GGUF-loaded models are made
     saveable first (:func:`strip_gguf_quantizer`, which edits ``model`` in place).
     ``from_pretrained(out_dir)`` reloads identical logits. With ``overwrite=False`` an existing
-    ``out_dir`` raises ``FileExistsError``. Returns ``out_dir``.
+    ``out_dir`` raises ``FileExistsError``. ``state_dict``: the values to write instead of the
+    model's own (a sharded model's gathered full state dict). Returns ``out_dir``.
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if out_dir.exists() and not overwrite:
@@ -454,7 +455,7 @@ def save_pretrained_plain(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
     old = out_dir.parent / f".{out_dir.name}.old-{tag}"
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
         if out_dir.exists():

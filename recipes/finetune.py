@@ -237,12 +237,6 @@ def parse_args(argv=None) -> FinetuneConfig:
 def engine_config(cfg: FinetuneConfig, compute_dtype: str, ckpt_dir: Path, world: int = 1) -> EngineConfig:
     """The engine's settings from the flags, plus those the recipe sets itself."""
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("engine")}
-    if flags.get("model_sharding", "none") != "none":
-        # FSDP2 needs every rank of a node in every forward: the held-out batches are split unevenly
-        # over ranks here, and the plain model is written by rank 0 alone
-        raise RecipeError("--model-sharding node is not wired into this recipe yet (its evaluation and its "
-                          "plain-model export run per rank): use it through the Engine API "
-                          "(EngineConfig(model_sharding='node')), or leave --model-sharding none")
     try:
         return EngineConfig(**{**flags, **defaults_by_strategy(cfg, world), "compute_dtype": compute_dtype,
                                "heartbeat_s": min(1.0, cfg.timeout_s / 3),
@@ -382,10 +376,37 @@ def evaluate(model, tokens, cfg: FinetuneConfig, rank: int, world: int) -> tuple
     batches = eval_batches(tokens, cfg.seq_len, cfg.micro_batch_size, max_batches=cfg.eval_batches,
                            rank=rank, world_size=world)
     part = eval_loss(model, batches, hf_lm_loss) if batches else None
+    if cfg.model_sharding == "node":
+        # FSDP2 all-gathers over the node in every forward, so every rank runs as many forwards as
+        # the rank with the most batches: the ones short of it run the first batch again and drop
+        # its loss (the batches stay split over all ranks, so no rank repeats another's work)
+        every = eval_batches(tokens, cfg.seq_len, cfg.micro_batch_size, max_batches=cfg.eval_batches)
+        for _ in range(-(-len(every) // world) - len(batches)):
+            eval_loss(model, every[:1], hf_lm_loss)
     parts = gather((part.loss, part.tokens) if part is not None else (0.0, 0))
     n = sum(t for _, t in parts)
     loss = sum(lo * t for lo, t in parts) / max(n, 1)
     return loss, math.exp(min(loss, 50.0))
+
+
+def export_model(cfg: FinetuneConfig, model, tokenizer, path: Path, main: bool) -> None:
+    """The plain model, from_pretrained-loadable, written by the main process. Under
+    --model-sharding node each rank holds 1/G of every parameter: every rank joins DCP's gather
+    of the full state dict (into CPU memory, rank 0's only)."""
+    state = None
+    if cfg.model_sharding == "node":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a tied parameter (the LM head that is the embedding) comes back as one copy per name:
+        # alias them again, so that save_pretrained drops the tie as it does for the plain model
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            kept = first.setdefault(id(p), name)
+            if kept != name and kept in state and name in state:
+                state[name] = state[kept]
+    if main:
+        save_pretrained_plain(model, tokenizer, path, state_dict=state)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -712,8 +733,8 @@ def run(cfg: FinetuneConfig) -> None:
     if not (ckpt_root / f"step-{engine.step:08d}" / "engine.json").is_file():
         engine.saver.save(str(ckpt_root))
     engine.close()
+    export_model(cfg, model, tokenizer, out / "model", main)
     if main:
-        save_pretrained_plain(model, tokenizer, out / "model")
         plot(out / "metrics.jsonl", out / "loss.png")
     accelerator.wait_for_everyone()
     say(f"perplexity on the held-out text: {ppl_before:.2f} -> {ppl_after:.2f}; "
