@@ -48,8 +48,9 @@ def _tensors(obj, seen: set[int]):
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            yield o
-            if o.grad is not None:
+            local = getattr(o, "_local_tensor", None)  # a DTensor (FSDP2): its local shard holds the storage
+            yield o if local is None else local
+            if o.is_leaf and o.grad is not None:
                 stack.append(o.grad)
         elif isinstance(o, torch.nn.Module):
             stack.extend(o.parameters())

@@ -409,6 +409,24 @@ def export_model(cfg: FinetuneConfig, model, tokenizer, path: Path, main: bool) 
         save_pretrained_plain(model, tokenizer, path, state_dict=state)
 
 
+def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
+    """OUT/memory.json: per rank, what it holds after training (engine/memory_accounting.py:
+    the unique tensor storages of the model and the engine, by category), its resident memory now
+    and at its peak, and on a GPU the allocator's peak. Every rank calls it (one gather)."""
+    import resource
+
+    from engine.memory_accounting import engine_held_bytes
+
+    mine = {"held_bytes": engine_held_bytes(engine),
+            "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            if Path("/proc/self/statm").is_file() else None,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else None}
+    every = gather(mine, group)
+    if main:
+        path.write_text(json.dumps({"ranks": every}, indent=1) + "\n")
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -630,6 +648,7 @@ class RunLog:
                 "kind": "train", "step": entry["step"], "loss": entry["loss"], "lr": entry["lr"],
                 "samples": entry["samples"], "samples_total": self.samples_total,
                 "wire_bytes": [h.get("wire_bytes") for h in per],
+                "wire_bytes_inter": [h.get("wire_bytes_inter") for h in per],  # of those, across nodes
                 "time_s": entry["time_s"], "elapsed_s": elapsed,
                 "micro_batches": [h.get("micro_batches") for h in per],
                 "grad_norm": entry["grad_norm"], "skipped": entry["skipped"],
@@ -732,6 +751,7 @@ def run(cfg: FinetuneConfig) -> None:
     # final engine checkpoint (unless checkpoint_every just wrote it) and the plain model
     if not (ckpt_root / f"step-{engine.step:08d}" / "engine.json").is_file():
         engine.saver.save(str(ckpt_root))
+    write_memory(engine, out / "memory.json", group, main)
     engine.close()
     export_model(cfg, model, tokenizer, out / "model", main)
     if main:
