@@ -4,6 +4,8 @@
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/finetune.py
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/finetune.py \
         --output-dir runs/ft --resume --max-steps 200                       # continue a run
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml recipes/finetune.py \
+        --model-sharding node --activation-checkpointing                   # FSDP2 over each node's GPUs
     python recipes/finetune.py --help                                       # every flag
 
 accelerate starts the processes, creates the process group and tells us who is the main
@@ -16,6 +18,8 @@ Output directory (``--output-dir``, OUT below):
     OUT/metrics.jsonl        one line per committed step (every worker's micro-batches and wire
                              bytes), plus ``"kind": "eval"`` lines with held-out loss/perplexity
     OUT/loss.png             train/eval loss against samples and against wall time
+    OUT/memory.json          what each rank holds after training (engine/memory_accounting.py's
+                             categories), its resident and peak memory
     OUT/checkpoints/         engine checkpoints step-NNNNNNNN (one file per rank) + ``latest``
     OUT/model/               the final model, ``from_pretrained``-loadable safetensors
     OUT/tensorboard/         with ``--report-to tensorboard``: ``tensorboard --logdir OUT/tensorboard``
