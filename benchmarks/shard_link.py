@@ -125,6 +125,38 @@ def planner_rows(args, work: Path) -> dict:
                for name, mode in keep.items()}}
 
 
+def render(result: dict) -> str:
+    """The markdown table of docs/nodes.md from a result JSON (``--render``)."""
+    runs, formula = result["runs"], result.get("formula", {})
+    mb = 1e6
+    lines = ["| | unsharded (two-level) | node-sharded |", "|---|---|---|"]
+
+    def row(label: str, fn) -> None:
+        lines.append(f"| {label} | " + " | ".join(fn(runs[n], n) for n in ("unsharded", "sharded")) + " |")
+
+    def last_eval(r):
+        return r["eval"][-1]
+
+    row("held-out loss before / after (samples)", lambda r, n: f"{r['eval'][0]['eval_loss']:.4f} / "
+        f"{last_eval(r)['eval_loss']:.4f} ({last_eval(r)['samples_total']})")
+    base = last_eval(runs["unsharded"])["eval_loss"]
+    row("held-out loss vs unsharded", lambda r, n: f"{100 * (last_eval(r)['eval_loss'] / base - 1):+.3f}%")
+    row("train loss, last step", lambda r, n: f"{r['train_loss'][-1]:.4f}")
+    row("node 0 / node 1 link, MB/step (veth, training window)",
+        lambda r, n: " / ".join(f"{b / mb:.2f}" for b in r["node_link_bytes_per_step"]))
+    row("engine's bytes across nodes, MB/step per rank",
+        lambda r, n: f"{max(r['engine_inter_bytes_per_step_per_rank']) / mb:.2f}")
+    row("held per rank, MB (memory_accounting; max over ranks)",
+        lambda r, n: f"{max(sum(m['held_bytes'].values()) for m in r['memory_per_rank']) / mb:.0f}")
+    if formula:
+        row("formula per rank, MB (engine/planner/memory.py)", lambda r, n: f"{formula[n]['memory_bytes'] / mb:.0f}")
+    row("resident after training / peak, MB per rank (max)",
+        lambda r, n: f"{max(m['rss_bytes'] for m in r['memory_per_rank']) / mb:.0f} / "
+                     f"{max(m['peak_rss_bytes'] for m in r['memory_per_rank']) / mb:.0f}")
+    row("s/step (under load, not a performance figure)", lambda r, n: f"{r['s_per_step_under_load']:.1f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="1gbit")
@@ -136,7 +168,11 @@ def main() -> None:
     p.add_argument("--train-layers", type=int, default=SMOLLM2_LAYERS, help="30 = every SmolLM2-135M block")
     p.add_argument("--only", choices=("unsharded", "sharded"), default=None, help="run one of the two")
     p.add_argument("--json", type=Path)
+    p.add_argument("--render", type=Path, metavar="JSON", help="print the docs table of a result JSON and stop")
     args = p.parse_args()
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return
     exit_unless_testbed()
     work = Path(tempfile.mkdtemp(prefix="acl-shard-link-"))
     common = ["--model", args.model, "--train-layers", str(args.train_layers), "--strategy", "acco", "--codec", "loco4",
@@ -160,6 +196,8 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if len(runs) == 2:
+        print(render(result))
 
 
 if __name__ == "__main__":
