@@ -96,7 +96,7 @@ def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, 
             "memory_per_rank": memory["ranks"]}
 
 
-def planner_rows(args, work: Path) -> dict:
+def planner_rows(args, work: Path, global_batch: int) -> dict:
     """engine/planner/memory.py's state per rank (and the node link's bytes per step) for this
     shape and layout: ``python -m engine.plan`` on the converted SmolLM2 folder, the trained
     fraction counted on the model as the recipe freezes it."""
@@ -114,7 +114,7 @@ def planner_rows(args, work: Path) -> dict:
     cmd = [sys.executable, "-m", "engine.plan", "--model", str(folder), "--trainable-fraction", f"{trained / total:.6f}",
            "--seq-len", str(args.seq_len), "--nodes", str(NODES), "--gpus-per-node", str(RANKS_PER_NODE),
            "--inter-gbit", str(LinkSpec(rate=args.rate).rate_bps / 1e9), "--global-batch",
-           str(NODES * RANKS_PER_NODE * args.micro_batch_size), "--micro-batch", str(args.micro_batch_size),
+           str(global_batch), "--micro-batch", str(args.micro_batch_size),
            "--compute-dtype", "float32", "--activation-checkpointing", "off", "--json", str(work / "plan.json")]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads((work / "plan.json").read_text())["rows"]
@@ -192,7 +192,7 @@ def main() -> None:
                         "per node, the node's ranks on its loopback; 2 CPU cores shared by all four ranks",
               "rate": args.rate, "steps": args.steps, "runs": runs}
     if args.model == "default":
-        result["formula"] = planner_rows(args, work)
+        result["formula"] = planner_rows(args, work, next(iter(runs.values()))["samples_total"][0])
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
