@@ -386,18 +386,29 @@ class DeltaParams(_Gatherer):
 
         Returns the ranks whose new shard was not finite; ``held`` is then left untouched on
         every replica (each sees the same gathered rows, so all decide alike)."""
-        n, shard, codec = comm.world_size, self._shard, self.codec
-        got = []
+        bad = self.arrived(comm)
+        if not bad:
+            self.apply(comm, held)
+        return bad
+
+    def arrived(self, comm: Comm) -> list[int]:
+        """Wait for every piece; the ranks whose new shard was not finite (then ``apply`` must
+        not run: a node-sharded run first agrees on it with the other rails of its node)."""
+        n, codec = comm.world_size, self.codec
+        self._got = []
         for k, recv, work in self._pending:
             if work is not None:
                 work.wait()
             a, b, p, s = self._bounds[k]
             rows = recv.view(n, p + s)
-            got.append((a, b, p, rows, _bytes_as(rows[:, p:], codec.scale_dtype)))
+            self._got.append((a, b, p, rows, _bytes_as(rows[:, p:], codec.scale_dtype)))
         self._held = None
-        bad = nonfinite_rows_parts([scales for *_, scales in got])
-        if bad:
-            return bad
+        return nonfinite_rows_parts([scales for *_, scales in self._got])
+
+    def apply(self, comm: Comm, held: torch.Tensor) -> None:
+        """Add the arrived deltas into ``held``."""
+        n, shard, codec = comm.world_size, self._shard, self.codec
+        got, self._got = self._got, None
         fused = self._fused_for(held)
         for a, b, p, rows, scales in got:
             if fused and p % 4 == 0:  # every row's piece into its place in held
@@ -410,7 +421,6 @@ class DeltaParams(_Gatherer):
                     view.add_(deltas)
                 else:
                     view.copy_(view.to(torch.float32).add_(deltas))
-        return []
 
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):

@@ -70,6 +70,10 @@ class FlatParams:
         """Make ``values`` (a whole padded buffer) the parameters the compute side runs on."""
         self.data.copy_(values)
 
+    def read_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The parameters the compute side runs on, into ``out`` (a whole padded buffer)."""
+        return out.copy_(self.data)
+
 
 class LocalShards:
     """model_sharding='node' (engine/sharding.py): this rank's FSDP2 local shards of the trainable
@@ -78,8 +82,10 @@ class LocalShards:
     ``world_size`` is the rail's M (the ranks that share this cut); chunk m is rank (m, l)'s
     shard. Gradients work as in FlatParams: each parameter's ``.grad`` is a DTensor whose local
     tensor is a view of gradient buffer ``active``, and FSDP2 adds each micro-batch's reduced
-    shard into it in place; a round reads the other buffer. Parameters are FSDP2's own storage:
-    ``install`` copies the new local buffer into each local shard."""
+    shard into it in place; a round reads the other buffer. Parameters are FSDP2's own storage
+    and nothing else holds them (no ``data`` copy: FSDP2 pads each local shard to its own cut,
+    so the shards cannot view one buffer): ``install`` copies the new local buffer into each
+    local shard, ``read_into`` the shards into a buffer."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
                  align: int, dtype: torch.dtype, grad_buffers: int = 2):
@@ -98,12 +104,17 @@ class LocalShards:
         for t in local:
             self.offsets.append((offset, offset + t.numel()))
             offset += t.numel()
-        self.data = torch.zeros(self.padded, dtype=dtype, device=self.device)
-        for t, (a, b) in zip(local, self.offsets):
-            self.data[a:b].copy_(t.reshape(-1))
         self.grads = [torch.zeros(self.padded, dtype=dtype, device=self.device) for _ in range(grad_buffers)]
         self.active = 0
         self.point_grads(0)
+
+    def read_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The local shards, concatenated in order and padded with zeros, into ``out``."""
+        with torch.no_grad():
+            out[self.numel:].zero_()
+            for p, (a, b) in zip(self.params, self.offsets):
+                out[a:b].copy_(p.to_local().reshape(-1))
+        return out
 
     def point_grads(self, index: int) -> None:
         """Make every param's .grad a DTensor over a view of gradient buffer ``index``."""
@@ -133,8 +144,7 @@ class LocalShards:
 
     def install(self, values: torch.Tensor) -> None:
         """Copy the new local buffer into FSDP2's local shards (the compute side, at a boundary)."""
-        self.data.copy_(values)
         with torch.no_grad():
             for p, (a, b) in zip(self.params, self.offsets):
                 local = p.to_local()  # a view of FSDP2's sharded storage, fetched anew (it may re-pad it)
-                local.copy_(self.data[a:b].view(local.shape))
+                local.copy_(values[a:b].view(local.shape))

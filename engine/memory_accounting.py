@@ -5,7 +5,8 @@ engine/planner/memory.py (docs/design/zero1.md, "Flat buffer, padding, shards").
 tensor *storages* (a view counts its whole storage once, a storage seen twice counts once), by
 category, the first category that reaches a storage owning it:
 
-    parameters      the model's parameters and buffers (the trainable ones view the flat buffer)
+    parameters      the model's parameters and buffers (the trainable ones view the flat buffer;
+                    FSDP2's: the local shards of a DTensor), and whatever else the flat buffer holds
     gradients       the flat gradient buffers
     gathered        the full parameters every replica holds after a round (``gather_buf``)
     optimizer       the owned shard's fp32 master and moments, and the spare a step is proposed into
@@ -79,7 +80,7 @@ def held_bytes(model: torch.nn.Module, ctx, strategy=None, **extra) -> dict[str,
     ``ctx``: the engine's RoundContext; ``strategy``: the engine's strategy object."""
     roots = [
         ("gradients", [ctx.flat.grads]),  # first: a parameter's .grad views a gradient buffer
-        ("parameters", [model]),
+        ("parameters", [model, ctx.flat]),  # (a node-sharded run's flat holds no copy of them)
         ("gathered", [ctx.gather_buf]),
         ("optimizer", [ctx.shard_state]),
         ("error_feedback", [getattr(ctx.grads, "feedback", None)]),
@@ -98,6 +99,25 @@ def held_bytes(model: torch.nn.Module, ctx, strategy=None, **extra) -> dict[str,
                 owned.add(ptr)
                 out[name] += nbytes
     return out
+
+
+def fsdp_unsharded_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the unsharded parameters and all-gather outputs FSDP2 still holds (0 once every
+    unit has resharded: after a step with ``reshard_after_forward``, what
+    engine/planner/memory.py assumes). Reads FSDP2's per-parameter state (private attributes of
+    torch 2.x's ``FSDPParam``: ``_unsharded_param``, ``all_gather_outputs``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total, seen = 0, set()
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            for t in [*getattr(param, "all_gather_outputs", ()), getattr(param, "_unsharded_param", None)]:
+                ptr, nbytes = _storage(t) if t is not None else (0, 0)
+                if ptr and ptr not in seen:
+                    seen.add(ptr)
+                    total += nbytes
+    return total
 
 
 def engine_held_bytes(engine) -> dict[str, int]:

@@ -187,4 +187,5 @@ def build_sharded_context(engine, named: list) -> RoundContext:
 
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec, shard_state=init_state(owned, engine.spec),
                         grads=ShardGrads(inner_grads, node, rail, layout),
-                        params=ShardParams(inner_params, node, rail, layout), gather_buf=flat.data.clone())
+                        params=ShardParams(inner_params, node, rail, layout), gather_buf=flat.read_into(
+                            torch.empty(flat.padded, dtype=dtype, device=device)))

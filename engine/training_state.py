@@ -60,7 +60,7 @@ def restore_state(ctx: RoundContext, strategy, counters: EngineState, accumulati
     ctx.shard_state.load_state_dict(_named(tensors, "opt."), {"step": meta["opt_step"]})
     with torch.no_grad():
         flat.grads[flat.active].copy_(tensors["pending_grad"])
-        ctx.gather_buf.copy_(flat.data)
+        flat.read_into(ctx.gather_buf)
     ctx.grads.load_state_dict(tensors, where)
     torch.set_rng_state(tensors["rng_cpu"].cpu())
     if "rng_cuda" in tensors and dev.type == "cuda":

@@ -38,14 +38,16 @@ class TwoLevelGrads:
         self._count = None
 
     def node_sum(self, full: torch.Tensor) -> torch.Tensor:
-        """The node's fp32 sum of this rank's slice (M chunks of S values, in node order): the
-        node's all-to-all, row j = local rank j's slice, summed in rank order."""
+        """The node's fp32 sum of this rank's slice (M chunks of S values, in node order): one
+        node reduce-scatter per node's part of ``full`` (part m, G shards, is contiguous: chunk
+        m x G + l goes to local rank l), each value summed over the node's ranks in rank order.
+        No copy of ``full`` regrouped by destination, and each part's kept buffers are 1/M of it."""
         m, g = self.layout.nodes, self.layout.ranks_per_node
         shard, dev = full.numel() // (m * g), full.device
-        rows = self.node.buffer(("two_level.rows",), (g, m * shard), full.dtype, dev)
-        rows.view(g, m, shard).copy_(full.view(m, g, shard).transpose(0, 1))
         out = self.node.buffer(("two_level.node_sum",), (m * shard,), torch.float32, dev)
-        return self.node.reduce_scatter_sum(rows.view(-1), out)
+        for node, part in enumerate(full.view(m, g * shard)):
+            self.node.reduce_scatter_sum(part, out[node * shard:(node + 1) * shard])
+        return out
 
     def reduce(self, comm: Comm, full: torch.Tensor, count: int, out: torch.Tensor | None = None) -> Reduced:
         """The rail's sum of the node sums for this rank's shard; the inner reducer's finiteness
@@ -115,17 +117,20 @@ class TwoLevelParams:
         """Install the new parameters in ``held`` once every rail's are in and finite; else
         return the (global) ranks whose new shard was not finite, ``held`` untouched on every
         replica: the node agrees on the union of its rails' findings first."""
-        m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
-        bad_rail = self.inner.finish(self.rail, self._slice)
-        mine = [0.0] * (m * g)
-        for node in bad_rail:
-            mine[node * g + local] = 1.0
-        flags = small_vector(mine, held.device)
-        bad = [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
+        bad = self.node_bad(self.inner.finish(self.rail, self._slice), held.device)
         if bad:
             return bad
         self.install(held)
         return []
+
+    def node_bad(self, bad_rail: list[int], device: torch.device) -> list[int]:
+        """The (global) ranks whose new shard was not finite, on any rail of this node."""
+        m, g, local = self.layout.nodes, self.layout.ranks_per_node, self.layout.local
+        mine = [0.0] * (m * g)
+        for node in bad_rail:
+            mine[node * g + local] = 1.0
+        flags = small_vector(mine, device)
+        return [r for r, f in enumerate(to_host(self.node.all_reduce_sum(flags)).tolist()) if f > 0]
 
 
 class ShardGrads:
@@ -153,15 +158,22 @@ class ShardGrads:
 
 
 class ShardParams(TwoLevelParams):
-    """model_sharding='node': ``inner`` over the rail on this rank's whole local buffer; the node
-    agrees on finiteness as TwoLevelParams does, and there is no node gather (FSDP2 gathers in
-    the forward pass)."""
+    """model_sharding='node': ``inner`` over the rail on this rank's whole local buffer, written
+    into ``held`` itself (no copy of it); the node agrees on finiteness as TwoLevelParams does
+    before a delta gatherer adds its deltas (so ``held`` stays untouched when another rail's
+    shard was not finite; a cast gatherer's part-written ``held`` is gathered again by the
+    round), and there is no node gather (FSDP2 gathers in the forward pass)."""
 
     def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
-        return self.node.buffer(("sharded.slice",), held.shape, held.dtype, held.device).copy_(held)
+        return held
 
-    def install(self, held: torch.Tensor) -> None:
-        held.copy_(self._slice)
+    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
+        deltas = hasattr(self.inner, "arrived")
+        bad_rail = self.inner.arrived(self.rail) if deltas else self.inner.finish(self.rail, held)
+        bad = self.node_bad(bad_rail, held.device)
+        if not bad and deltas:
+            self.inner.apply(self.rail, held)
+        return bad
 
 
 def slice_of(full: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -171,12 +183,13 @@ def slice_of(full: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def gather_slices(node: Comm, part: torch.Tensor, out: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Every local rank's slice (in ``out``'s dtype) into its place in the whole buffer ``out``."""
+    """Every local rank's slice (in ``out``'s dtype) into its place in the whole buffer ``out``:
+    one node all-gather per node's part, straight into it (part m of ``out`` is chunk m of every
+    local rank's slice, in rank order), so no whole-buffer receive copy is kept."""
     m, g = layout.nodes, layout.ranks_per_node
     shard = out.numel() // (m * g)
     send = part if part.dtype == out.dtype else node.buffer(("two_level.cast",), part.shape, out.dtype,
                                                             out.device).copy_(part)
-    got = node.buffer(("two_level.gathered",), (g * m * shard,), out.dtype, out.device)
-    node.all_gather(send, got)
-    out.view(m, g, shard).copy_(got.view(g, m, shard).transpose(0, 1))
+    for index, whole in enumerate(out.detach().view(m, g * shard)):  # (an alias outside autograd)
+        node.all_gather(send[index * shard:(index + 1) * shard], whole)
     return out

@@ -20,7 +20,7 @@ G = ranks per node:
                         (1 + 1/N)(b/8 + 4/g) V/P   b-bit parameter deltas: send and receive
                         2w/(N c), 2w/c  a cast gather in pieces or to another dtype (one piece in
                                        the held dtype goes straight into the gathered buffer)
-                        2e + (4 + e)/G two-level: the node's level (engine/two_level.py)
+                        (4 + e)/G + e/M   two-level: the node's level (engine/two_level.py)
                         8 to 16 per value of a piece   a round's temporaries; a piece is at most
                                        MAX_PIECE_VALUES values of all ranks, so on a large model
                                        the cast buffers and the temporaries are constants
@@ -126,15 +126,17 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     else:
         out["comm"] += (shard + values) * (delta_bits / 8 + 4 / g)
     if two_level:
-        # the node's level: the gradient's rows regrouped by local rank, the node's fp32 sum of
-        # the rank's slice, the slice of the held parameters, the node's gathered buffer, and the
-        # node reduce-scatter's pieces (gloo: received rows; NCCL: an fp32 piece unless fp32)
-        cn = pieces(p)
-        node = e * p + 4 * values + e * values + e * p
+        # the node's level (engine/two_level.py): the node's fp32 sum of the rank's slice, the
+        # slice of the held parameters, and the pieces of the node reduce-scatter, run once per
+        # node's part of the gradient (P/M values: gloo's received rows; NCCL's fp32 piece unless
+        # fp32); the node's all-gather writes the held buffer itself
+        part = p / nodes
+        cn = pieces(part)
+        node = 4 * values + e * values
         if grad_bits is None and e != 4:
             node += e * values  # the node sum in the compute dtype for the rail
-        node += (min(cn, 2) / cn) * p * e * (2 if cn > 1 else 1) if backend == "gloo" else \
-            (4 * p / cn if e != 4 or cn > 1 else 0.0)
+        node += (min(cn, 2) / cn) * part * e * (2 if cn > 1 else 1) if backend == "gloo" else \
+            (4 * part / cn if e != 4 or cn > 1 else 0.0)
         out["comm"] += node
     piece = shard / c  # one destination's (one rank's) values of a piece
     temps = [OPTIMIZER_TEMP * piece]
@@ -144,6 +146,24 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
         temps.append(DELTA_TEMP * piece)
     out["temporaries"] = max(temps)
     return out
+
+
+def node_sharded_bytes(local: float, *, nodes: int, per_node: int, kept_shards: int = 0, codec: str = "none",
+                       param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
+                       backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
+    """Bytes one rank of a model_sharding='node' run holds after a step (engine/sharding.py), by
+    the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
+    the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
+    in the place of the flat parameters; ``frozen``: this rank's share of the frozen values. Not
+    in it: FSDP2's unsharded blocks while compute runs (``fsdp_block_bytes``)."""
+    return held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
+                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
+                      optimizer_state=optimizer_state, frozen=frozen)
+
+
+def fsdp_block_bytes(shape: ModelShape, compute_bytes: int) -> float:
+    """FSDP2's unsharded parameters while compute runs: the block in use and the one prefetched."""
+    return 2 * compute_bytes * shape.params / shape.layers
 
 
 def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
