@@ -18,8 +18,8 @@ part only), the JSON is rewritten after every part, and the whole stays under 8 
    micro-batches, zero1's one of 2k), the wire emulated by ``torch.cuda._sleep`` on the comm stream;
 6. ``memory``: bytes per parameter from ``memory_allocated`` against the planner's formula
    (engine/planner/memory.py);
-7. ``model_sharding``: ``EngineConfig(model_sharding="node")`` at world 1, "not available" until
-   that setting exists;
+7. ``model_sharding``: ``EngineConfig(model_sharding="node")`` at world 1: FSDP2 beside the
+   engine's streams, a few steps of zero1 and acco, bytes per parameter against the formula;
 8. ``finetune``: the recipe on the GPU for 5 steps; 9. ``gpu_tests``: the GPU-marked tests.
 
 Without a CUDA device it exits with status 2 and writes nothing. ``--device cpu --small`` runs

@@ -380,25 +380,75 @@ def memory(args) -> dict:
 
 
 # ------------------------------------------------------------------------------ model sharding
+class _Blocks(torch.nn.Module):
+    """A stack of square Linear blocks (FSDP2 units: ``layers``) and a frozen head."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, width, bias=False)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+SHARDING_MODES = {"zero1": dict(strategy="zero1"), "acco": dict(strategy="acco")}
+
+
 def model_sharding(args) -> dict:
-    """``EngineConfig(model_sharding="node")`` at world 1, once that setting exists; until then
-    "not available" (not a failure)."""
-    import dataclasses
-
+    """``EngineConfig(model_sharding="node")`` at world 1 (one node of one rank): FSDP2 on the
+    compute stream beside the engine's comm stream, a few steps of a stack of blocks, the loss
+    finite and falling; on CUDA the bytes per parameter held after the steps
+    (``memory_allocated``) against the planner's formula for node sharding
+    (engine/planner/memory.py ``node_sharded_bytes``: held after a step, no round temporaries),
+    and FSDP2's unsharded blocks freed (engine/memory_accounting.py ``fsdp_unsharded_bytes``)."""
     from engine import Engine, EngineConfig
-    from tests.tiny import mse_loss, tiny_model, worker_stream
+    from engine.memory_accounting import engine_held_bytes, fsdp_unsharded_bytes
+    from engine.planner.memory import node_sharded_bytes
 
-    if "model_sharding" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-        return {"ok": True, "available": False,
-                "status": "not available: EngineConfig has no model_sharding setting yet"}
     dev = torch.device(args.device)
-    model = tiny_model(0).to(dev)
-    engine = Engine(model, EngineConfig(model_sharding="node", lr=1e-2, micro_batches=2, accumulation="fixed",
-                                        max_steps=4, align=8), mse_loss)
-    history = engine.fit(worker_stream(0, 40))
-    engine.close()
-    losses = [h["loss"] for h in history]
-    return {"ok": len(history) == 4 and all(math.isfinite(v) for v in losses), "available": True, "losses": losses}
+    cuda = dev.type == "cuda"
+    width, depth = (64, 3) if args.small else (1024, 8)
+    rows = {}
+    for name, kw in SHARDING_MODES.items():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        model = _Blocks(width, depth).to(dev)
+        frozen = model.head.weight.numel()
+        engine = Engine(model, EngineConfig(model_sharding="node", lr=1e-3, micro_batches=2, accumulation="fixed",
+                                            max_steps=4, **kw), _mse)
+        x = torch.randn(8, width, device=dev)
+        history = engine.fit(iter([(x, x)] * 40))
+        losses = [h["loss"] for h in history]
+        local = engine.flat.padded
+        want = node_sharded_bytes(local, nodes=1, overlap=engine.plan.overlap, kept_shards=int(name == "acco"),
+                                  compute_bytes=engine.flat.dtype.itemsize, chunks=engine.comm.chunks,
+                                  backend="nccl" if cuda else "gloo", frozen=frozen)
+        want_held = sum(v for k, v in want.items() if k != "temporaries")
+        row = {"steps": len(history), "losses": losses, "params": local,
+               "formula_bytes_per_param": want_held / local,
+               "accounted_bytes_per_param": sum(engine_held_bytes(engine).values()) / local,
+               "fsdp_unsharded_bytes": fsdp_unsharded_bytes(engine.model)}
+        if cuda:
+            torch.cuda.synchronize()
+            held = (torch.cuda.memory_allocated() - base) / local
+            row.update(bytes_per_param=held, ratio=held / row["formula_bytes_per_param"])
+        rows[name] = row
+        engine.close()
+        del engine, model
+    ok = all(r["steps"] == 4 and all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+             and r["fsdp_unsharded_bytes"] == 0 for r in rows.values())
+    out = {"ok": ok, "available": True, "world": 1, "width": width, "blocks": depth, "strategies": rows}
+    if cuda:
+        out["meets_target"] = all(0.9 <= r["ratio"] <= 1.1 for r in rows.values())
+        out["target"] = "held bytes per parameter within 10% of the node-sharded formula"
+    return out
 
 
 # ------------------------------------------------------------------------------ the GPU tests, the recipe

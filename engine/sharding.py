@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, resolve_chunks
+from .comm import Comm, backend_for, resolve_chunks
 from .collectives import make_collectives
 from .flat import LocalShards
 from .rounds import RoundContext
@@ -121,6 +121,8 @@ def sharding_groups(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import DeviceMesh
 
     m, g = layout.nodes, layout.ranks_per_node
+    if not dist.is_initialized():  # one process (no launcher): FSDP2 and DeviceMesh need a group all the same
+        dist.init_process_group(backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1)
 
     def mine(groups: list[list[int]]):
         made = [dist.new_group(ranks) for ranks in groups]
@@ -173,8 +175,12 @@ def build_sharded_context(engine, named: list) -> RoundContext:
             raise RuntimeError(f"{name}: FSDP2's local shard is {tuple(p.to_local().shape)}, the engine expected "
                                f"{tuple(rows.shape)} (torch.chunk's cut of dim 0 over {g} ranks)")
         local32.append(rows.reshape(-1))
+    # without overlap the round's gradient buffer is free once reduced: the new parameters are
+    # gathered into it (one buffer of the local shards' size for both); with overlap compute
+    # accumulates into a second one meanwhile, and the gather has a buffer of its own
+    one = not engine.plan.overlap
     flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
-                       math.lcm(cfg.align, *shard_groups(cfg)), dtype)
+                       math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2)
     flat.layout = layout  # checkpoints record the ranks per node that cut it
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
@@ -187,5 +193,5 @@ def build_sharded_context(engine, named: list) -> RoundContext:
 
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec, shard_state=init_state(owned, engine.spec),
                         grads=ShardGrads(inner_grads, node, rail, layout),
-                        params=ShardParams(inner_params, node, rail, layout), gather_buf=flat.read_into(
-                            torch.empty(flat.padded, dtype=dtype, device=device)))
+                        params=ShardParams(inner_params, node, rail, layout, refresh=flat.read_into if one else None),
+                        gather_buf=flat.grads[0] if one else flat.read_into(torch.empty_like(flat.grads[0])))

@@ -162,9 +162,17 @@ class ShardParams(TwoLevelParams):
     into ``held`` itself (no copy of it); the node agrees on finiteness as TwoLevelParams does
     before a delta gatherer adds its deltas (so ``held`` stays untouched when another rail's
     shard was not finite; a cast gatherer's part-written ``held`` is gathered again by the
-    round), and there is no node gather (FSDP2 gathers in the forward pass)."""
+    round), and there is no node gather (FSDP2 gathers in the forward pass). Without overlap
+    ``held`` is the gradient buffer the round has reduced (engine/sharding.py), filled with the
+    parameters by ``refresh`` first where a delta gatherer adds to them."""
+
+    def __init__(self, inner, node: Comm, rail: Comm, layout: Layout, refresh=None):
+        super().__init__(inner, node, rail, layout)
+        self.refresh = refresh  # fills ``held`` with the parameters when it is not kept between rounds
 
     def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
+        if self.refresh is not None and hasattr(self.inner, "arrived"):
+            self.refresh(held)  # ``held`` is the round's reduced gradient buffer: deltas need the base
         return held
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:

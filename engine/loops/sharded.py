@@ -46,9 +46,11 @@ class ShardedLoop(RoundLoop):
         flat = p.flat
         handle = self.submit_round(self.request(exhausted))
         # the compute side moves to the other buffer; the round owns this one until it is done
-        nxt = 1 - flat.active
-        flat.point_grads(nxt)
-        flat.grads[nxt].zero_()
+        # (one buffer: no overlap, the round gathers into it and ``finish`` zeroes it after)
+        if len(flat.grads) > 1:
+            nxt = 1 - flat.active
+            flat.point_grads(nxt)
+            flat.grads[nxt].zero_()
         p.state.start_accumulator(p.device)
         return handle
 
@@ -58,6 +60,8 @@ class ShardedLoop(RoundLoop):
         result = self.wait(handle)
         with torch.no_grad():
             p.flat.install(p.ctx.gather_buf)
+            if len(p.flat.grads) == 1:
+                p.flat.grads[0].zero_()
         self.measure(result)
         self.step_local += result.local_count
         stop = False

@@ -25,10 +25,12 @@ G = ranks per node:
                                        MAX_PIECE_VALUES values of all ranks, so on a large model
                                        the cast buffers and the temporaries are constants
     sharded, model sharded over the node (model_sharding="node", FSDP2 on the node's G ranks):
-                      e/G parameters and e/G gradients (FSDP2's local shards), each once more for
-                      an overlapping strategy (the comm side's gradient copy, the parameters
-                      arriving while compute runs on the old ones), the optimizer's 24/N + 4/N
-                      per kept shard with N = G x M, the codec's error on the rank's 1/G slice;
+                      ``node_sharded_bytes``: the flat formula over the M nodes of a rail on the
+                      rank's local buffer (V = P/G values): e/G parameters (FSDP2's local shards),
+                      e/G for the gradient, into which the round then gathers the new parameters
+                      (an overlapping strategy: 2e/G gradients, compute accumulating into one while
+                      the round reads the other, and e/G gathered), the optimizer's 24/N + 4/N per
+                      kept shard with N = G x M, the codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
     whole             37 + 4/N fp32, 33 + 4/N bf16 (after the freeze: m, v_T, e_w whole)
     local             4e + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
@@ -110,7 +112,9 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     }
     slots = min(c, 2) / c  # two kept piece buffers reused in turn (one piece: one)
     if grad_bits is None:
-        if backend == "gloo":  # all-to-all: the received rows of a piece (and, in pieces, the sent)
+        if nodes == 1:
+            pass  # one rank (a node-sharded run on one node): the reduce-scatter is a copy
+        elif backend == "gloo":  # all-to-all: the received rows of a piece (and, in pieces, the sent)
             out["comm"] += slots * values * e * (2 if c > 1 else 1)
         elif e != 4 or c > 1:  # NCCL's reduce-scatter through one fp32 piece
             out["comm"] += 4 * values / c
@@ -148,17 +152,22 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     return out
 
 
-def node_sharded_bytes(local: float, *, nodes: int, per_node: int, kept_shards: int = 0, codec: str = "none",
+def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: int = 0, codec: str = "none",
                        param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
                        backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
     """Bytes one rank of a model_sharding='node' run holds after a step (engine/sharding.py), by
     the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
-    in the place of the flat parameters; ``frozen``: this rank's share of the frozen values. Not
-    in it: FSDP2's unsharded blocks while compute runs (``fsdp_block_bytes``)."""
-    return held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
-                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
-                      optimizer_state=optimizer_state, frozen=frozen)
+    in the place of the flat parameters; ``frozen``: this rank's share of the frozen values.
+    Without ``overlap`` one buffer holds the gradient and then, once it is reduced, the gathered
+    parameters: e per local value for both (with overlap: two gradient buffers and the gathered
+    one, 3e). Not in it: FSDP2's unsharded blocks while compute runs (``fsdp_block_bytes``)."""
+    out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
+                     compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
+                     optimizer_state=optimizer_state, frozen=frozen)
+    if not overlap:
+        out["gradients"], out["gathered"] = compute_bytes * float(local), 0.0
+    return out
 
 
 def fsdp_block_bytes(shape: ModelShape, compute_bytes: int) -> float:
@@ -180,9 +189,11 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
         slice_ = pt / g if mode.exchange == "two-level" else pt
         ef = 2 * slice_ * (1 + 4 / ws.group_size)
     if mode.sharding == "node":
-        copies = 2 if mode.overlap else 1
-        block = 2 * e * shape.params / shape.layers  # FSDP2's unsharded block in use and the one prefetched
-        return Memory(copies * e * pt / g + e * frozen / g + block, copies * e * pt / g, opt, ef)
+        held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,
+                                  codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e,
+                                  group_size=ws.group_size, frozen=frozen / g)
+        return Memory(held["parameters"] + held["gathered"] + fsdp_block_bytes(shape, e), held["gradients"],
+                      held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"])
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
                       frozen=frozen)

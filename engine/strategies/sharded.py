@@ -134,7 +134,7 @@ class ShardedStrategy(Strategy):
         self.keep(req, grad_sum, totals)
         if req.kind is RoundKind.COMMIT:
             ctx.grads.end_step(req.step_index + 1, skipped=totals.nonfinite)
-        if ctx.cfg.poison_freed_buffers:
+        if ctx.cfg.poison_freed_buffers and full.data_ptr() != ctx.gather_buf.data_ptr():
             full.fill_(float("nan"))  # any read of a released buffer now shows up as NaN
         return RoundResult(
             index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count,

@@ -2,7 +2,8 @@
 the node's G ranks, the exchange across nodes on the local shards) against the formula of
 engine/planner/memory.py (``node_sharded_bytes``), in real gloo groups at 2 nodes x 2 ranks and 1
 node x 4 ranks, for zero1, acco and acco+loco4+int4params on a model of several blocks; and the
-sharded run's parameters and gradients against the unsharded two-level run's: 1/G of them."""
+sharded run's parameters and gradients against the unsharded run's (two-level; on one node, flat): 1/G
+of them."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _measure(rank: int, world: int, dtypes: tuple[str, ...]) -> dict:
         for name, kw in MODES.items():
             for sharding in ("node", "none"):
                 cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=3, compute_dtype=dtype,
-                                   topology="two_level", model_sharding=sharding, **kw)
+                                   model_sharding=sharding, **kw)  # (unsharded: two-level, flat on one node)
                 engine = Engine(Blocks(), cfg, _loss)
                 peaks = track_round_temporaries(engine)
                 engine.fit(_stream(rank, 50))
@@ -78,7 +79,7 @@ def _check(results, nodes: int, per_node: int, dtypes: tuple[str, ...]):
             got = results[0][(dtype, name, "node")]
             held, padded = got["held"], got["padded"]
             want = memory.node_sharded_bytes(
-                padded, nodes=nodes, per_node=per_node, kept_shards=int(kw["strategy"] == "acco"),
+                padded, nodes=nodes, overlap=kw["strategy"] == "acco", kept_shards=int(kw["strategy"] == "acco"),
                 codec=kw.get("codec", "none"), param_codec=kw.get("param_codec", "auto"), compute_bytes=e,
                 chunks=got["chunks"], backend="gloo", frozen=frozen / per_node)
             got_total, want_total = sum(held.values()) + got["temps"], sum(want.values())
