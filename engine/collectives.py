@@ -382,20 +382,13 @@ class DeltaParams(_Gatherer):
         return super().begin(comm, held)
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
-        """Update ``held`` in place once every piece has arrived and all are finite.
-
-        Returns the ranks whose new shard was not finite; ``held`` is then left untouched on
-        every replica (each sees the same gathered rows, so all decide alike)."""
-        bad = self.arrived(comm)
-        if not bad:
-            self.apply(comm, held)
-        return bad
+        """Add the deltas into ``held`` once every piece is in and all are finite; else return the
+        ranks whose were not, ``held`` untouched on every replica (all see the same rows)."""
+        return self.arrived(comm) or self.apply(comm, held) or []
 
     def arrived(self, comm: Comm) -> list[int]:
-        """Wait for every piece; the ranks whose new shard was not finite (then ``apply`` must
-        not run: a node-sharded run first agrees on it with the other rails of its node)."""
-        n, codec = comm.world_size, self.codec
-        self._got = []
+        """Wait for every piece; the ranks whose new shard was not finite (``apply`` if none)."""
+        n, codec, self._got = comm.world_size, self.codec, []
         for k, recv, work in self._pending:
             if work is not None:
                 work.wait()
@@ -417,10 +410,7 @@ class DeltaParams(_Gatherer):
                 continue
             for j0, j1, deltas in _decoded_rows(codec, rows, p, rows.shape[1] - p, b - a):
                 view = held.view(n, shard)[j0:j1, a:b]  # each row's piece in its replica's shard
-                if held.dtype == torch.float32:
-                    view.add_(deltas)
-                else:
-                    view.copy_(view.to(torch.float32).add_(deltas))
+                view.add_(deltas) if held.dtype == torch.float32 else view.copy_(view.to(torch.float32).add_(deltas))
 
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):

@@ -82,10 +82,11 @@ class LocalShards:
     ``world_size`` is the rail's M (the ranks that share this cut); chunk m is rank (m, l)'s
     shard. Gradients work as in FlatParams: each parameter's ``.grad`` is a DTensor whose local
     tensor is a view of gradient buffer ``active``, and FSDP2 adds each micro-batch's reduced
-    shard into it in place; a round reads the other buffer. Parameters are FSDP2's own storage
-    and nothing else holds them (no ``data`` copy: FSDP2 pads each local shard to its own cut,
-    so the shards cannot view one buffer): ``install`` copies the new local buffer into each
-    local shard, ``read_into`` the shards into a buffer."""
+    shard into it in place; a round reads the other buffer (one buffer without overlap: the
+    round then gathers the new parameters into it, engine/sharding.py). Parameters are FSDP2's
+    own storage and nothing else holds them (no ``data`` copy: FSDP2 pads each local shard to
+    its own cut, so the shards cannot view one buffer): ``install`` copies the new local buffer
+    into each local shard, ``read_into`` the shards into a buffer."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
                  align: int, dtype: torch.dtype, grad_buffers: int = 2):

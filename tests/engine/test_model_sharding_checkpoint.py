@@ -63,6 +63,32 @@ def test_sharded_checkpoint_resumes_bit_exact_and_refuses_other_ranks_per_node(t
         assert refused is not None and "resume with 2 ranks per node" in refused, refused
 
 
+def _resume_one_buffer(rank: int, world: int, directory: str):
+    """zero1 (no overlap): the round gathers into the gradient buffer, which the checkpoint saves
+    as the pending gradient (engine/sharding.py)."""
+    cfg = dict(strategy="zero1", micro_batches=2)
+    stream = worker_stream(rank, 100)
+    straight = Engine(grouped_model(), _cfg(6, **cfg), mse_loss)
+    straight.fit(iter(stream))
+    want = whole_params(straight.model)
+    straight.close()
+    first = Engine(grouped_model(), _cfg(3, **cfg), mse_loss)
+    assert len(first.flat.grads) == 1 and first.ctx.gather_buf is first.flat.grads[0]
+    first.fit(iter(stream))
+    first.save(directory)
+    first.close()
+    model = grouped_model(seed=7)
+    resumed = Engine.load(directory, model, _cfg(6, **cfg), mse_loss)
+    resumed.fit(itertools.islice(stream, resumed.consumed, None))
+    got = whole_params(model)
+    resumed.close()
+    return torch.equal(got, want)
+
+
+def test_sharded_zero1_with_one_gradient_buffer_resumes_bit_exact(tmp_path):
+    assert all(spawn(_resume_one_buffer, 4, str(tmp_path / "ckpt"), env={"LOCAL_WORLD_SIZE": "2"}))
+
+
 def _save(rank: int, world: int, directory: str):
     engine = Engine(grouped_model(), _cfg(4), mse_loss)
     engine.fit(iter(worker_stream(rank, 100)))
