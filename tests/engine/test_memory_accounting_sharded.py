@@ -111,3 +111,24 @@ def test_node_sharded_layout_holds_what_the_formula_says_2x2():
 def test_node_sharded_layout_holds_what_the_formula_says_1x4():
     results = spawn(_measure, 4, ("float32",), timeout=600, env={"LOCAL_WORLD_SIZE": "4"})
     _check(results, 1, 4, ("float32",))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "70b", "--nodes", "8", "--gpus-per-node", "8", "--inter-gbit", "10"],
+    ["--model", "8b", "--nodes", "2", "--gpus-per-node", "8", "--inter-gbit", "1"],
+])
+def test_the_planner_recommends_a_mode_that_fits_with_this_formula(argv, tmp_path, capsys):
+    """issue 31's commands: with the node-sharded formula above (the runtime it was held
+    against), the recommended mode's state and activations fit the preset GPU's memory."""
+    import json
+
+    from engine.plan import main
+
+    out = tmp_path / "plan.json"
+    assert main(argv + ["--global-batch", "1024", "--micro-batch", "1", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    row = next(r for r in plan["rows"] if r["mode"] == plan["recommended"])
+    assert row["fits"] and "node-sharded" in row["mode"], row["mode"]
+    assert row["memory_bytes"] + row["activation_bytes"] <= 79.6 * 2**30
+    sharded = memory.node_sharded_bytes(1e9, nodes=8, overlap=False, compute_bytes=2)
+    assert sharded["gradients"] == 2e9 and sharded["gathered"] == 0  # one local buffer, both uses
