@@ -65,17 +65,21 @@ def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, 
             "loadavg_after": os.getloadavg()}
 
 
-def against_zero1(rates: list[str], steps: int, extra: list[str], work: Path, timeout_s: float) -> dict:
-    """At each rate: the recipe's defaults and zero1 without a gradient codec, back to back."""
+def against_zero1(rates: list[str], steps: int, extra: list[str], work: Path, timeout_s: float,
+                  named: list[str]) -> dict:
+    """At each rate: the recipe's defaults and zero1 without a gradient codec, back to back (then
+    each strategy of ``named`` with the recipe's codec defaults)."""
     out = {}
     for rate in rates:
         pair = {}
-        for name, flags in (("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none"])):
+        runs = [("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none"])]
+        for name, flags in runs + [(f"named_{s}", ["--strategy", s]) for s in named]:
             pair[name] = run_recipe(rate, steps, [*flags, *extra], work / f"{rate}_{name}",
                                     f"qs{os.getpid() % 1000}", timeout_s)
             print(rate, name, json.dumps(pair[name]), flush=True)
         d, z = pair["defaults"], pair["zero1"]
-        out[rate] = {**pair, "defaults_over_zero1_s_per_step": d["s_per_step_median"] / z["s_per_step_median"],
+        out[rate] = {**pair, **{f"{k}_over_zero1_s_per_step": v["s_per_step_median"] / z["s_per_step_median"]
+                                for k, v in pair.items() if k != "zero1"},
                      "defaults_over_zero1_s_per_sample": d["s_per_sample"] / z["s_per_sample"]}
     return out
 
@@ -88,6 +92,8 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=1500.0)
     p.add_argument("--json", type=Path)
     p.add_argument("--against-zero1", help="rates, comma-separated: the defaults against zero1 at each")
+    p.add_argument("--named", default="", help="--against-zero1: also these strategies with the recipe's "
+                   "codec defaults (comma-separated, e.g. acco: the default before it followed the link)")
     p.add_argument("--extra", default="", help="flags added to both runs of --against-zero1 (one string)")
     args = p.parse_args()
     exit_unless_testbed()
@@ -97,7 +103,9 @@ def main() -> None:
         result = {"layout": "2x1: two torchrun nodes of one rank, each in its own namespace behind a tbf-shaped "
                             "link, one core each", "steps": args.steps, "extra_flags": extra,
                   "cpus": os.cpu_count(),
-                  "rates": against_zero1(args.against_zero1.split(","), args.steps, extra, work, args.timeout_s)}
+                  "loadavg_at_start": os.getloadavg(),
+                  "rates": against_zero1(args.against_zero1.split(","), args.steps, extra, work, args.timeout_s,
+                                         [x for x in args.named.split(",") if x])}
         print(json.dumps(result, indent=1))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")

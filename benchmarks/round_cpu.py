@@ -95,6 +95,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 MODES = {
     "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
+    "acco+loco4+int8params": dict(strategy="acco", codec="loco4", param_codec="int8"),  # the recipe's named default
+    "zero1+int8params": dict(strategy="zero1", codec="none", param_codec="int8"),  # its zero1 --codec none
     "acco": dict(strategy="acco", codec="none", param_codec="float32"),
     "zero1": dict(strategy="zero1", codec="none", param_codec="float32"),
 }
