@@ -33,6 +33,9 @@ QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seed
                  "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
                  "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
                  "bench_hetero_b96_3seeds.json")
+# the samples factors also read ACCO's B = 16 runs on DDP's held-out set (2026-11-26); quality() does
+# not yet: with them ACCO's median loss per sample crosses recommend()'s 0.5% bar (issue 35)
+FACTOR_FILES = QUALITY_FILES + ("acco_headline_100mbit_b16_3seeds_int4.json",)
 CAVEAT = ("4.87M GPT-2, byte-level Shakespeare, 2-3 workers, 768-3072 samples, 1-3 seeds; held-out loss at "
           "equal samples vs torch DDP (AdamW)")
 
@@ -158,7 +161,7 @@ def run_factor(run: dict, ddp_run: dict) -> tuple[float, str] | None:
     return None
 
 
-def samples_factor(mode: Mode, results: Path | None = None, files=QUALITY_FILES,
+def samples_factor(mode: Mode, results: Path | None = None, files=FACTOR_FILES,
                    steps: int | None = None) -> SampleFactor:
     """The median factor over the runs; with ``steps`` (the planned run's optimizer steps) only
     over runs whose DDP reference took between 2/3 and 3/2 of that many (all of them when none
@@ -203,7 +206,7 @@ def _samples_factor(mode: Mode, results: Path | None, files, within: int | None)
                 ddp_steps = first_crossing(ddp_runs[r["seed"]]["evals"], ddp_runs[r["seed"]]["final_loss"], "step")
                 warm.append(frozen / ddp_steps)
     proxy = proxy_of(mode)
-    if not xs and proxy is not None and files == QUALITY_FILES and mode != proxy:
+    if not xs and proxy is not None and files == FACTOR_FILES and mode != proxy:
         # as quality(): the measured proxy has the same or more lossy codecs
         base = _samples_factor(proxy, results, files, within)
         return SampleFactor(base.factor, base.runs, base.sources + (f"inferred from {bench_name(proxy)}",))
