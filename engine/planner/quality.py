@@ -35,7 +35,7 @@ QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seed
                  "bench_hetero_b96_3seeds.json")
 # the samples factors also read ACCO's B = 16 runs on DDP's held-out set (2026-11-26); quality() does
 # not yet: with them ACCO's median loss per sample crosses recommend()'s 0.5% bar (issue 35)
-FACTOR_FILES = QUALITY_FILES + ("acco_headline_100mbit_b16_3seeds_int4.json",)
+FACTOR_FILES = QUALITY_FILES + ("acco_headline_100mbit_b16_3seeds.json",)
 CAVEAT = ("4.87M GPT-2, byte-level Shakespeare, 2-3 workers, 768-3072 samples, 1-3 seeds; held-out loss at "
           "equal samples vs torch DDP (AdamW)")
 
