@@ -29,13 +29,10 @@ from pathlib import Path
 
 from .modes import Mode
 
-QUALITY_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json",
-                 "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
-                 "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
-                 "bench_hetero_b96_3seeds.json")
-# the samples factors also read ACCO's B = 16 runs on DDP's held-out set (2026-11-26); quality() does
-# not yet: with them ACCO's median loss per sample crosses recommend()'s 0.5% bar (issue 35)
-FACTOR_FILES = QUALITY_FILES + ("acco_headline_100mbit_b16_3seeds.json",)
+RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json",
+                "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
+                "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
+                "bench_hetero_b96_3seeds.json", "acco_headline_100mbit_b16_3seeds.json")
 CAVEAT = ("4.87M GPT-2, byte-level Shakespeare, 2-3 workers, 768-3072 samples, 1-3 seeds; held-out loss at "
           "equal samples vs torch DDP (AdamW)")
 
@@ -89,7 +86,7 @@ def proxy_of(mode: Mode) -> Mode | None:
     return Mode(*proxy, exchange=mode.exchange, sharding=mode.sharding)
 
 
-def quality(mode: Mode, results: Path | None = None, files=QUALITY_FILES) -> Quality:
+def quality(mode: Mode, results: Path | None = None, files=RESULT_FILES) -> Quality:
     name = bench_name(mode)
     found, sources, seen = [], [], set()
     for f in files:
@@ -115,6 +112,15 @@ def quality(mode: Mode, results: Path | None = None, files=QUALITY_FILES) -> Qua
     if proxy is not None and proxy != mode:
         base = quality(proxy, results, files)
         if base.loss_vs_adamw_pct is not None:
+            own, plain = (Mode(m.strategy, exchange=m.exchange, sharding=m.sharding) for m in (mode, proxy))
+            q_own, q_plain = quality(own, results, files), quality(plain, results, files)
+            if own != plain and None not in (q_own.loss_vs_adamw_pct, q_plain.loss_vs_adamw_pct):
+                # the proxy runs another strategy (its delay, if any, is not this one's): carry over
+                # only its codecs' cost, measured against the same strategy without them (never a gain)
+                cost = max(0.0, base.loss_vs_adamw_pct - q_plain.loss_vs_adamw_pct)
+                return Quality(q_own.loss_vs_adamw_pct + cost, q_own.sources + base.sources + q_plain.sources,
+                               f"inferred: {bench_name(own)}'s loss plus the codecs' cost on {bench_name(proxy)} "
+                               f"over {bench_name(plain)} ({cost:+.2f}%)")
             return Quality(base.loss_vs_adamw_pct, base.sources,
                            f"inferred from {bench_name(proxy)} (the same or fewer lossy codecs)")
     if results is None:
@@ -161,7 +167,7 @@ def run_factor(run: dict, ddp_run: dict) -> tuple[float, str] | None:
     return None
 
 
-def samples_factor(mode: Mode, results: Path | None = None, files=FACTOR_FILES,
+def samples_factor(mode: Mode, results: Path | None = None, files=RESULT_FILES,
                    steps: int | None = None) -> SampleFactor:
     """The median factor over the runs; with ``steps`` (the planned run's optimizer steps) only
     over runs whose DDP reference took between 2/3 and 3/2 of that many (all of them when none
@@ -206,7 +212,7 @@ def _samples_factor(mode: Mode, results: Path | None, files, within: int | None)
                 ddp_steps = first_crossing(ddp_runs[r["seed"]]["evals"], ddp_runs[r["seed"]]["final_loss"], "step")
                 warm.append(frozen / ddp_steps)
     proxy = proxy_of(mode)
-    if not xs and proxy is not None and files == FACTOR_FILES and mode != proxy:
+    if not xs and proxy is not None and files == RESULT_FILES and mode != proxy:
         # as quality(): the measured proxy has the same or more lossy codecs
         base = _samples_factor(proxy, results, files, within)
         return SampleFactor(base.factor, base.runs, base.sources + (f"inferred from {bench_name(proxy)}",))

@@ -150,7 +150,10 @@ def test_recommendation_keeps_adamw_and_follows_the_link():
     slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS)
     assert slow.choice.mode.strategy in ("zero1", "dpu", "acco", "torch-ddp")
     assert not slow.choice.mode.local_steps
-    assert slow.choice.mode.codec != "none"  # at 20 Mbit/s the wire decides
+    q = slow.choice.quality.loss_vs_adamw_pct  # measured to keep AdamW's loss per sample (ACCO's
+    assert q is not None and q <= 0.5  # B = 16 runs on DDP's held-out set put it at +1.3%: not it)
+    # at 20 Mbit/s the wire decides: a lossy codec, or at least the bf16 ring, never fp32's bytes
+    assert slow.choice.mode.codec != "none" or slow.choice.mode.ddp_dtype == "bfloat16", slow.why
     # on an H100 pair with 400 Gbit/s between them, nothing is worth a lossy codec
     fast = make_plan(PRESETS["1b"], Layout(2, 1), gpu(400), Batch(64, 4), WireSettings(compute_bytes=2),
                      results=RESULTS)
