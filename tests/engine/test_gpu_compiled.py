@@ -37,26 +37,6 @@ def test_only_a_gpu_with_triton_compiles(monkeypatch):
     assert not compiled.available("cuda")
 
 
-def test_a_failed_compile_falls_back_to_eager_with_the_state_untouched(monkeypatch, caplog):
-    def broken(fn, **kw):
-        def run(*a):
-            raise RuntimeError("no Triton here")
-        return run
-    monkeypatch.setattr(compiled.torch, "compile", broken)
-    codec = make_codec("int4", group_size=128)
-    fb, ref = (ErrorFeedback("loco", 1024, device="cpu") for _ in range(2))
-    with caplog.at_level(logging.WARNING, logger="acco_loco"):
-        for seed in range(3):
-            got = compiled.compress(_x(seed=seed), codec, fb)
-            want = eager_compress(_x(seed=seed), codec, ref, check_finite=False)
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert compiled.failed.startswith("RuntimeError: no Triton here")
-    assert sum("compiling the encode + error feedback failed" in r.getMessage() for r in caplog.records) == 1
-    assert torch.equal(fb.error(), ref.error())
-    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
-    assert not compiled.available("cuda")  # given up for good
-
-
 def _pieced(fb, codec, x, run, piece=256):
     """One round of the reducer's pass over ``x`` in pieces: the payloads, scales concatenated."""
     out = []
@@ -66,22 +46,32 @@ def _pieced(fb, codec, x, run, piece=256):
     return torch.cat([p for p, _ in out]), torch.cat([s for _, s in out])
 
 
-def test_a_failed_piece_compile_falls_back_to_eager_with_the_state_untouched(monkeypatch, caplog):
+# the whole buffer (gpu_check's codec timing) and the reducer's pieces: compiled, then eager
+PATHS = {"whole": (lambda fb, codec, x: compiled.compress(x, codec, fb),
+                   lambda fb, codec, x: eager_compress(x, codec, fb, check_finite=False)),
+         "pieces": (lambda fb, codec, x: _pieced(fb, codec, x, compiled.compress_piece),
+                    lambda fb, codec, x: _pieced(fb, codec, x, None))}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_failed_compile_falls_back_to_eager_with_the_state_untouched(monkeypatch, caplog, path):
     def broken(fn, **kw):
         def run(*a):
             raise RuntimeError("no Triton here")
         return run
     monkeypatch.setattr(compiled.torch, "compile", broken)
+    run, eager = PATHS[path]
     codec = make_codec("int4", group_size=128)
     fb, ref = (ErrorFeedback("loco", 1024, device="cpu") for _ in range(2))
     with caplog.at_level(logging.WARNING, logger="acco_loco"):
         for seed in range(3):
-            got = _pieced(fb, codec, _x(seed=seed), compiled.compress_piece)
-            want = _pieced(ref, codec, _x(seed=seed), None)
+            got, want = run(fb, codec, _x(seed=seed)), eager(ref, codec, _x(seed=seed))
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert compiled.failed.startswith("RuntimeError: no Triton here")
     assert sum("compiling the encode + error feedback failed" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(fb.error(), ref.error())
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    assert not compiled.available("cuda")  # given up for good
 
 
 def test_the_reducer_runs_the_compiled_path_where_available(monkeypatch):
