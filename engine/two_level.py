@@ -169,17 +169,17 @@ class ShardParams(TwoLevelParams):
     def __init__(self, inner, node: Comm, rail: Comm, layout: Layout, refresh=None):
         super().__init__(inner, node, rail, layout)
         self.refresh = refresh  # fills ``held`` with the parameters when it is not kept between rounds
+        self.deltas = hasattr(inner, "arrived")  # a delta gatherer: its arrival and its apply are apart
 
     def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
-        if self.refresh is not None and hasattr(self.inner, "arrived"):
+        if self.refresh is not None and self.deltas:
             self.refresh(held)  # ``held`` is the round's reduced gradient buffer: deltas need the base
         return held
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
-        deltas = hasattr(self.inner, "arrived")
-        bad_rail = self.inner.arrived(self.rail) if deltas else self.inner.finish(self.rail, held)
+        bad_rail = self.inner.arrived(self.rail) if self.deltas else self.inner.finish(self.rail, held)
         bad = self.node_bad(bad_rail, held.device)
-        if not bad and deltas:
+        if not bad and self.deltas:
             self.inner.apply(self.rail, held)
         return bad
 
