@@ -8,7 +8,8 @@ metrics.jsonl: median s/step over steps 4.., samples/s, wire MB per step, held-o
     sudo python benchmarks/quickstart_link.py --rate 100mbit --steps 20 --json docs/results/quickstart_100mbit.json
 
 ``--against-zero1 RATE[,RATE...]`` instead runs, at each rate, the recipe's defaults (no flags:
-strategy auto, which probes the link) and ``--strategy zero1 --codec none`` side by side, and
+strategy auto, which probes the link) and plain zero1 (``--strategy zero1 --codec none
+--param-codec none``) side by side, and
 reports the ratios of their step and per-sample times, auto's logged choice and the machine's
 load average before each run (``--extra`` adds the same flags to both):
 
@@ -72,7 +73,8 @@ def against_zero1(rates: list[str], steps: int, extra: list[str], work: Path, ti
     out = {}
     for rate in rates:
         pair = {}
-        runs = [("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none"])]
+        # plain zero1: under a named strategy the recipe's codec defaults (loco4 + int8) apply unless set
+        runs = [("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none", "--param-codec", "none"])]
         for name, flags in runs + [(f"named_{s}", ["--strategy", s]) for s in named]:
             pair[name] = run_recipe(rate, steps, [*flags, *extra], work / f"{rate}_{name}",
                                     f"qs{os.getpid() % 1000}", timeout_s)

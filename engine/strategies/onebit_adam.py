@@ -35,7 +35,7 @@ import torch
 
 from acco_loco import onebit
 from acco_loco.acco import RoundKind, RoundPlan
-from acco_loco.optim import ShardState, clip_coefficient
+from acco_loco.optim import clip_coefficient
 from acco_loco.registry import WIRE_CODECS
 from acco_loco.schedule import lr_at
 

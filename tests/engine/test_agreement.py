@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from engine import Engine, EngineConfig

@@ -5,7 +5,6 @@ on the newest, and a resume from it bit-exact."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
