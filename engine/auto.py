@@ -96,7 +96,7 @@ def choose_strategy(cfg, model: torch.nn.Module):
             v.copy_(buffers[k])
     dtype = {"auto": params[0].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
     ws = WireSettings(compute_bytes=torch.empty((), dtype=dtype).element_size(), group_size=cfg.group_size,
-                      scale_dtype=cfg.scale_dtype)
+                      scale_dtype=cfg.scale_dtype, grad_dtype=cfg.grad_dtype)
     hw = (gpu(measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9 or 450.0, samples_per_s=samples_per_s)
           if device.type == "cuda" else cpu_testbed(measured.inter_Bps * 8, samples_per_s))
     shape = ModelShape(numel, 1, 1, 1, 1)

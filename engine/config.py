@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from acco_loco.optim import OptimizerSpec
 from acco_loco.schedule import validate_schedule
 
+from .grad_dtype import GRAD_DTYPE_NODE_REFUSED
 from .rules import Check, Choice, Rule, choice, integer, is_int, setting
 from .sections import (AccumulationConfig, CommunicationConfig, LayoutConfig, OptimizerConfig, RuntimeConfig,
                        ScheduleConfig)
@@ -25,6 +26,7 @@ from .strategies import STRATEGIES, section_class, section_readers, sections_rea
 
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+GRAD_DTYPES = ("auto", "float32", "compute")  # engine/grad_dtype.py resolves them
 SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 # Fields that decide the trajectory's structure: a checkpoint refuses to resume under others.
@@ -97,6 +99,9 @@ class EngineConfig:
                             "chosen at start by the planner from a probe of the links (engine/auto.py)")
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
+    grad_dtype: str = setting("auto", "dtype the gradient is accumulated over micro-batches in and sent in "
+                              "uncompressed: auto = float32 (model_sharding='node': the compute dtype, FSDP2 hands "
+                              "each shard its gradient in the parameters' dtype); compute = the compute dtype")
     nan_policy: str = setting("skip", "on a non-finite gradient or update: skip the step everywhere, or stop")
     seed: int = setting(0, "seed of the codecs' stochastic rounding")
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -208,6 +213,8 @@ class EngineConfig:
         shards (engine/sharding.py); the strategy "auto" is checked once it has resolved."""
         if self.model_sharding == "none":
             return
+        if self.grad_dtype == "float32" and self.compute_dtype == "bfloat16":
+            raise ValueError(GRAD_DTYPE_NODE_REFUSED)
         if self.topology == "flat":
             raise ValueError("model_sharding='node' shards the model over each node's ranks and runs the exchange "
                              "across nodes on the local shards: it needs topology='auto' or 'two_level', not 'flat'")
@@ -301,6 +308,7 @@ _RULES: dict[str, Rule] = {  # the sections' fields bring theirs (their RULES)
     "strategy": _StrategyChoice(),
     "max_steps": integer(1),
     "compute_dtype": choice(COMPUTE_DTYPES),
+    "grad_dtype": choice(GRAD_DTYPES),
     "nan_policy": choice(NAN_POLICIES),
     "seed": Check("an integer in [0, 2**32)", lambda v: is_int(v) and 0 <= v < SEED_LIMIT),
 }

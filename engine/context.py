@@ -15,6 +15,7 @@ from .collectives import make_collectives
 from .comm import init_process_group, resolve_chunks
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
+from .grad_dtype import resolve_grad_dtype
 from .layout import make_two_level_collectives
 from .rounds import RoundContext
 from .strategies import shard_groups
@@ -83,8 +84,8 @@ def build_context(engine, named: list) -> RoundContext:
         raise TypeError(f"trainable parameters must be floating point, got {dtype}")
     if cfg.compute_dtype != "auto":
         cast_parameters(engine.model, dtype)
-    flat = FlatParams([p for _, p in named], [n for n, _ in named], world,
-                      math.lcm(cfg.align, *shard_groups(cfg)), dtype)
+    flat = FlatParams([p for _, p in named], [n for n, _ in named], world, math.lcm(cfg.align, *shard_groups(cfg)),
+                      dtype, grad_dtype=resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=False))
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     padded32[:flat32.numel()] = flat32

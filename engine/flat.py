@@ -2,6 +2,10 @@
 
 Model ``.data`` and ``.grad`` tensors are views into these buffers, so a round hands the whole
 gradient to the communication side as one tensor and installs new parameters with one copy.
+With a gradient dtype other than the parameters' (grad_dtype, engine/grad_dtype.py: fp32 buffers
+for bf16 parameters) ``.grad`` is no view: a post-accumulate-grad hook adds each parameter's
+gradient into its slice of the buffer as its backward produces it, then drops it (``.grad`` is
+None between backwards), so one parameter's compute-dtype gradient at a time lives beside the buffer.
 Padding makes the length a multiple of world_size * align so every shard has the same size and
 is a whole number of codec groups. Frozen params stay out.
 """
@@ -13,7 +17,7 @@ import torch
 
 class FlatParams:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
-                 align: int, dtype: torch.dtype, grad_buffers: int = 2):
+                 align: int, dtype: torch.dtype, grad_buffers: int = 2, grad_dtype: torch.dtype | None = None):
         if not params:
             raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                              "unfreeze at least one parameter")
@@ -41,22 +45,46 @@ class FlatParams:
             for p, (a, b) in zip(params, self.offsets):
                 self.data[a:b].copy_(p.detach().reshape(-1))
                 p.data = self.data[a:b].view(p.shape)
-        self.grads = [torch.zeros(self.padded, dtype=dtype, device=self.device) for _ in range(grad_buffers)]
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
+        self.grads = [torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device)
+                      for _ in range(grad_buffers)]
         self.active = 0
+        self.hooked = self.grad_dtype != dtype  # .grad is added into the buffer, not a view of it
+        self._hooks = [param.register_post_accumulate_grad_hook(self._add_grad_hook(i))
+                       for i, param in enumerate(params)] if self.hooked else []
         self.point_grads(0)
 
+    def _add_grad_hook(self, i: int):
+        a, b = self.offsets[i]
+
+        def add_into_buffer(p: torch.Tensor) -> None:
+            with torch.no_grad():
+                self.grads[self.active][a:b].view(p.shape).add_(p.grad)  # exact cast, fp32 add
+            p.grad = None
+
+        return add_into_buffer
+
     def point_grads(self, index: int) -> None:
-        """Make every param's .grad a view of gradient buffer ``index``."""
+        """Make every param's .grad a view of gradient buffer ``index`` (hooked: backwards add
+        into buffer ``index`` from now on)."""
         self.active = index
         buf = self.grads[index]
         for p, (a, b) in zip(self.params, self.offsets):
-            p.grad = buf[a:b].view(p.shape)
+            p.grad = None if self.hooked else buf[a:b].view(p.shape)
 
     def check_grads_attached(self) -> None:
-        """Raise if something replaced a .grad (e.g. zero_grad(set_to_none=True))."""
+        """Raise if something replaced a .grad (e.g. zero_grad(set_to_none=True)); hooked: if a
+        .grad is set, which no backward leaves (the hook takes it)."""
         buf = self.grads[self.active]
         for p, name, (a, b) in zip(self.params, self.names, self.offsets):
             g = p.grad
+            if self.hooked:
+                if g is not None:
+                    raise RuntimeError(
+                        f"the .grad of {name!r} is set, but with grad_dtype {self.grad_dtype} the engine adds every "
+                        "backward's gradient into its own buffer and leaves .grad None: something set it outside "
+                        "backward (a gradient assigned by hand is not trained on: let backward produce it)")
+                continue
             if g is None or g.data_ptr() != buf[a:b].data_ptr():
                 raise RuntimeError(
                     f"the .grad of {name!r} was replaced or set to None outside the engine "

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch", type=int, default=1024, help="samples per optimizer step, all workers")
     b.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per worker")
     b.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    b.add_argument("--grad-dtype", choices=("auto", "compute"), default="auto",
+                   help="EngineConfig grad_dtype, the gradient buffers' and an uncompressed gradient's dtype: "
+                        "auto = float32 (model-sharded modes: the compute dtype), compute = the compute dtype")
     b.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="auto",
                    help="per block: auto = only for the modes that do not fit without it (its recompute is "
                    "in their step time)")
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     results = results_folder(a.results)
     shape = shape_from(a)
     layout = Layout(a.nodes, a.gpus_per_node)
-    ws = WireSettings(compute_bytes=2 if a.compute_dtype == "bfloat16" else 4)
+    ws = WireSettings(compute_bytes=2 if a.compute_dtype == "bfloat16" else 4, grad_dtype=a.grad_dtype)
     batch = Batch(a.global_batch, a.micro_batch)
     measured = None
     if a.measure:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .comm import Comm, backend_for, resolve_chunks
 from .collectives import make_collectives
 from .flat import LocalShards
+from .grad_dtype import resolve_grad_dtype
 from .rounds import RoundContext
 from .strategies import shard_groups
 from .topology import Layout
@@ -154,6 +155,7 @@ def build_sharded_context(engine, named: list) -> RoundContext:
     dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
     if not dtype.is_floating_point:
         raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+    resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=True)  # refuses fp32 gradients of bf16 shards
     if cfg.compute_dtype != "auto":
         model.to(dtype)
     if cfg.activation_checkpointing:

@@ -3,8 +3,9 @@ the memory sections of docs/design/ and of the strategies' topic files: memory p
 strategy names the formula its state follows (its spec's ``MemorySpec``,
 engine/strategies/spec.py); the numbers are here, one function per formula.
 
-Per trainable parameter, e = compute dtype bytes, N = ranks sharing the optimizer, g = codec group,
-G = ranks per node:
+Per trainable parameter, e = compute dtype bytes, e_g = the gradient buffers' (4 under grad_dtype
+auto, e with 'compute' or under model sharding: ``WireSettings.grad_bytes``), N = ranks sharing the
+optimizer, g = codec group, G = ranks per node:
 
     replicated        16: fp32 parameters, fp32 gradients, AdamW's two moments (torch DDP, AMP)
     sharded           ``held_bytes``: every tensor the engine keeps after a step, by the categories
@@ -12,7 +13,7 @@ G = ranks per node:
                       round makes (tests/engine/test_memory_accounting.py holds the two against
                       each other). S = P/N the owned shard, V the values the inter-node codec sees
                       (P flat, P/G two-level), c pieces (``Comm.pieces``), w a cast gather's bytes:
-                        4e             parameters, gathered buffer, two gradient buffers
+                        2e + 2e_g      parameters, gathered buffer, two gradient buffers
                         24/N           fp32 master and moments, the spare a step is proposed into
                         4/N + 4/N per kept shard   the reducer's fp32 output (+ ACCO's kept half)
                         2 (1 + 4/g) V/P   codec: int8 error + group scales, its rollback copy
@@ -32,9 +33,10 @@ G = ranks per node:
                       the round reads the other, and e/G gathered), the optimizer's 24/N + 4/N per
                       kept shard with N = G x M, the codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
-    whole             37 + 4/N fp32, 33 + 4/N bf16 (after the freeze: m, v_T, e_w whole)
-    local             4e + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
-                      two-level: the node's G ranks shard all of it but the compute buffers: 4e + 24/G
+    whole             37 + 4/N fp32, 33 + 4/N bf16 with bf16 gradient buffers, 2 (e_g - e) more with
+                      fp32 ones (after the freeze: m, v_T, e_w whole)
+    local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
+                      two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G
 Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node sharding."""
 
 from __future__ import annotations
@@ -81,15 +83,17 @@ def _bits(codec: str) -> int | None:
 def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool = False,
                kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
                compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
-               optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
+               optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
     it keeps between rounds) on an unsharded model, by the
     categories of engine/memory_accounting.py, plus ``temporaries``: the largest set a round
     makes (the torch path; CPU's fused kernels make fewer and keep a shard-long fp32 scratch).
 
     ``params``: the padded trainable values P; ``chunks``: the engine's comm_chunks (resolved);
-    ``optimizer_state``: fp32 bytes per owned value (AdamW 12, SGD with momentum 8)."""
-    p, e, n, g = float(params), compute_bytes, world, group_size
+    ``optimizer_state``: fp32 bytes per owned value (AdamW 12, SGD with momentum 8);
+    ``grad_bytes``: the gradient buffers' dtype bytes (4: grad_dtype auto; the compute dtype's
+    with grad_dtype='compute'), which an uncompressed gradient also travels in."""
+    p, e, n, g, ge = float(params), compute_bytes, world, group_size, grad_bytes
     nodes = world // per_node if two_level else world  # the ranks of the codec's exchange
     values = p / per_node if two_level else p  # V: what one rank's codec exchange carries
     shard = p / n
@@ -102,7 +106,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
 
     c = pieces(values)
     out = {
-        "gradients": 2 * e * p,
+        "gradients": 2 * ge * p,
         "parameters": e * p + e * frozen,
         "gathered": e * p,
         "optimizer": 2 * optimizer_state * shard,  # the state and the spare a step is proposed into
@@ -115,8 +119,8 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
         if nodes == 1:
             pass  # one rank (a node-sharded run on one node): the reduce-scatter is a copy
         elif backend == "gloo":  # all-to-all: the received rows of a piece (and, in pieces, the sent)
-            out["comm"] += slots * values * e * (2 if c > 1 else 1)
-        elif e != 4 or c > 1:  # NCCL's reduce-scatter through one fp32 piece
+            out["comm"] += slots * values * ge * (2 if c > 1 else 1)
+        elif ge != 4 or c > 1:  # NCCL's reduce-scatter through one fp32 piece
             out["comm"] += 4 * values / c
     else:
         row = grad_bits / 8 + 4 / g
@@ -137,10 +141,10 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
         part = p / nodes
         cn = pieces(part)
         node = 4 * values + e * values
-        if grad_bits is None and e != 4:
-            node += e * values  # the node sum in the compute dtype for the rail
-        node += (min(cn, 2) / cn) * part * e * (2 if cn > 1 else 1) if backend == "gloo" else \
-            (4 * part / cn if e != 4 or cn > 1 else 0.0)
+        if grad_bits is None and ge != 4:
+            node += ge * values  # the node sum in the gradient's dtype for the rail
+        node += (min(cn, 2) / cn) * part * ge * (2 if cn > 1 else 1) if backend == "gloo" else \
+            (4 * part / cn if ge != 4 or cn > 1 else 0.0)
         out["comm"] += node
     piece = shard / c  # one destination's (one rank's) values of a piece
     temps = [OPTIMIZER_TEMP * piece]
@@ -161,10 +165,11 @@ def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: 
     in the place of the flat parameters; ``frozen``: this rank's share of the frozen values.
     Without ``overlap`` one buffer holds the gradient and then, once it is reduced, the gathered
     parameters: e per local value for both (with overlap: two gradient buffers and the gathered
-    one, 3e). Not in it: FSDP2's unsharded blocks while compute runs (``fsdp_block_bytes``)."""
+    one, 3e); gradients in the compute dtype (FSDP2's, engine/grad_dtype.py). Not in it: FSDP2's
+    unsharded blocks while compute runs (``fsdp_block_bytes``)."""
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
-                     optimizer_state=optimizer_state, frozen=frozen)
+                     optimizer_state=optimizer_state, frozen=frozen, grad_bytes=compute_bytes)
     if not overlap:
         out["gradients"], out["gathered"] = compute_bytes * float(local), 0.0
     return out
@@ -196,7 +201,7 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
                       held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"])
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
-                      frozen=frozen)
+                      frozen=frozen, grad_bytes=ws.grad_bytes(mode.sharding))
     return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
                   held["error_feedback"], held["comm"] + held["temporaries"])
 
@@ -205,14 +210,14 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     e, n = ws.compute_bytes, layout.world
     pt, frozen = shape.trainable, shape.params - shape.trainable
     per = (37 if e == 4 else 33) + 4 / n
-    return Memory(2 * e * pt + e * frozen, 2 * e * pt, 0.0, (per - 4 * e) * pt)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode.sharding) * pt, 0.0, (per - 4 * e) * pt)
 
 
 def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e = ws.compute_bytes
     pt, frozen = shape.trainable, shape.params - shape.trainable
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
-    return Memory(2 * e * pt + e * frozen, 2 * e * pt, 12 * pt / share, 12 * pt / share)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode.sharding) * pt, 12 * pt / share, 12 * pt / share)
 
 
 FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local}

@@ -10,10 +10,10 @@ Through one node's network link (G ranks per node, M nodes; ranks ordered node b
 flat all-to-all sends G (N - G) of the N (N - 1) rows across nodes, i.e. G (M-1)/M of the
 payload per collective; a ring all-gather crosses each node boundary once, (N-1)/N of the
 gathered buffer; a ring all-reduce likewise, 2 (N-1)/N P e (torch DDP: 2 (N-1) P e / N per rank).
-Two-level (issue 22): reduce-scatter inside the node at compute precision, then each rank
+Two-level (issue 22): reduce-scatter inside the node in the gradient's dtype, then each rank
 sends its node's 1/G slice over its rail, the strategy's own round over M ranks: (M-1)/M of the
-codec's bytes of the whole buffer per node link, and (G-1)/G P e per rank inside the node for
-each of the two intra-node collectives. A local-step strategy's node is one replica: each inner
+codec's bytes of the whole buffer per node link, and (G-1)/G P e_g and (G-1)/G P e per rank
+inside the node for the two intra-node collectives (e_g: the gradient's bytes, ``grad_bytes``). A local-step strategy's node is one replica: each inner
 step runs a full-precision sharded round inside the node, the outer round goes over the rails.
 Model sharding over the node changes none of it: FSDP2's intra-node collectives carry what the
 two-level exchange's did, the rails carry the same slice.
@@ -68,11 +68,12 @@ def _ddp(numel: int, layout: Layout, mode: Mode) -> StepBytes:
 
 def node_round_bytes(numel: int, g: int, mode: Mode, ws: WireSettings) -> float:
     """What one rank sends inside its node per round of a two-level exchange: a sharded
-    strategy's reduce-scatter and all-gather at compute precision; a local-step strategy's inner
-    step, a full-precision sharded round over the node (with its small all-reduce)."""
+    strategy's reduce-scatter in the gradient's dtype and all-gather at compute precision; a
+    local-step strategy's inner step, a full-precision sharded round over the node (with its
+    small all-reduce)."""
     if mode.local_steps:
         return sum(sharded_round_parts(numel, g, Mode(mode.strategy), ws).values())
-    return 2 * (g - 1) * (padded(numel, g, ALIGN) // g) * ws.compute_bytes
+    return (g - 1) * (padded(numel, g, ALIGN) // g) * (ws.grad_bytes(mode.sharding) + ws.compute_bytes)
 
 
 def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,

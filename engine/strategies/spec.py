@@ -40,6 +40,20 @@ class WireSettings:
     topk_chunk: int = 4096
     topk_bits: int = 2
     pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
+    grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/grad_dtype.py): auto | float32 | compute
+
+    def grad_bytes(self, sharding: str = "none") -> int:
+        """Bytes of a gradient value in the gradient buffers and on an uncompressed wire: 4 under
+        grad_dtype auto, but the compute dtype's under model_sharding='node' (FSDP2 gives the
+        shards their gradients in the parameters' dtype) or with grad_dtype 'compute'."""
+        if self.grad_dtype == "compute" or self.compute_bytes == 4:
+            return self.compute_bytes
+        if sharding != "node":
+            return 4
+        if self.grad_dtype == "float32":
+            raise ValueError("grad_dtype='float32' with model_sharding='node' and bf16 parameters is refused by the "
+                             "engine (engine/grad_dtype.py): use grad_dtype='auto' or 'compute'")
+        return self.compute_bytes
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,7 @@ class StrategySpec:
 
 def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
     """One round of the sharded exchange (engine/comm.py, docs/design/wire.md and zero1.md), per rank, S =
-    P / N of the padded buffer: reduce-scatter (N-1) S e, or (N-1)(wire_bytes(S) + 4) under a
+    P / N of the padded buffer: reduce-scatter (N-1) S e_g (the gradient's bytes, ``grad_bytes``), or (N-1)(wire_bytes(S) + 4) under a
     gradient codec (+ its 4-byte count weight); all-gather (N-1) S e_p, or (N-1) wire_bytes(S)
     of low-bit deltas; the small all-reduce of 4 + 3N values."""
     from acco_loco.registry import parse_codecs
@@ -92,7 +106,7 @@ def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
     p = padded(numel, world, codecs.unit(ALIGN))
     s = p // world
     grad = codecs.grad_wire
-    rs = (world - 1) * (s * ws.compute_bytes if grad is None else grad.wire_bytes(s) + 4)
+    rs = (world - 1) * (s * ws.grad_bytes(mode.sharding) if grad is None else grad.wire_bytes(s) + 4)
     ag = (world - 1) * codecs.param_wire_bytes(s, ws.compute_bytes)
     return {"all_to_all": rs, "all_gather": ag, "small": small_bytes(world, 4 + 3 * world)}
 

@@ -128,6 +128,7 @@ BAD_VALUES: list[tuple[dict, str]] = [
     # numerics and layout
     ({"compute_dtype": "float16"}, "unknown compute_dtype 'float16': choose one of ('auto', 'float32', 'bfloat16')"),
     ({"compute_dtype": None}, "unknown compute_dtype None"),
+    ({"grad_dtype": "bfloat16"}, "unknown grad_dtype 'bfloat16': choose one of ('auto', 'float32', 'compute')"),
     ({"align": 0}, "align must be a positive integer, got 0"),
     ({"align": 128.0}, "align must be a positive integer, got 128.0"),
     ({"align": True}, "align must be a positive integer, got True"),

@@ -1,0 +1,35 @@
+"""``grad_dtype`` (EngineConfig): the dtype the gradient is accumulated in across micro-batches,
+and in which an uncompressed gradient travels.
+
+A bf16 model's ``.grad`` is bf16: summed over k micro-batches in bf16, each add rounds the sum
+to 8 bits of mantissa. Megatron-LM keeps an fp32 ``main_grad`` buffer for bf16 runs instead, into
+which each backward's gradient is added and which is reduced in fp32
+(``accumulate_allreduce_grads_in_fp32``, its default for bf16). ``auto`` does the same on the
+flat path (engine/flat.py: the gradient buffers are fp32 and a post-accumulate-grad hook adds
+each parameter's bf16 ``.grad`` into its slice). Under model_sharding='node' FSDP2 hands each
+sharded parameter its reduced gradient in the sharded parameter's dtype (the compute dtype
+here): there ``auto`` is the compute dtype and ``float32`` is refused unless the parameters are
+fp32. With fp32 parameters every setting is fp32, exactly as before the setting existed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRAD_DTYPE_NODE_REFUSED = (
+    "grad_dtype='float32' with model_sharding='node' and bfloat16 parameters: FSDP2 hands each sharded "
+    "parameter its reduced gradient in the parameter's dtype, so the engine cannot accumulate it in fp32; "
+    "use grad_dtype='auto' or 'compute' (accumulation in the compute dtype), or fp32 parameters "
+    "(compute_dtype='float32')")
+
+
+def resolve_grad_dtype(setting: str, compute: torch.dtype, node_sharded: bool) -> torch.dtype:
+    """The gradient buffers' dtype for ``setting`` ('auto', 'float32', 'compute') and the
+    parameters' (compute) dtype; raises for 'float32' under node sharding with non-fp32 params."""
+    if setting == "compute" or compute == torch.float32:
+        return compute
+    if node_sharded:
+        if setting == "float32":
+            raise ValueError(GRAD_DTYPE_NODE_REFUSED)
+        return compute
+    return torch.float32
