@@ -13,10 +13,11 @@ gathered buffer; a ring all-reduce likewise, 2 (N-1)/N P e (torch DDP: 2 (N-1) P
 Two-level (issue 22): reduce-scatter inside the node in the gradient's dtype, then each rank
 sends its node's 1/G slice over its rail, the strategy's own round over M ranks: (M-1)/M of the
 codec's bytes of the whole buffer per node link, and (G-1)/G P e_g and (G-1)/G P e per rank
-inside the node for the two intra-node collectives (e_g: the gradient's bytes, ``grad_bytes``). A local-step strategy's node is one replica: each inner
-step runs a full-precision sharded round inside the node, the outer round goes over the rails.
-Model sharding over the node changes none of it: FSDP2's intra-node collectives carry what the
-two-level exchange's did, the rails carry the same slice.
+inside the node for the two intra-node collectives (e_g: the gradient's bytes, ``grad_bytes``).
+A local-step strategy's node is one replica: each inner step runs a full-precision sharded round
+inside the node, the outer round goes over the rails. Model sharding over the node changes none
+of it: FSDP2's intra-node collectives carry what the two-level exchange's did, the rails carry the
+same slice, in the compute dtype (FSDP2's gradients: e_g = e there).
 """
 
 from __future__ import annotations

@@ -97,9 +97,9 @@ class StrategySpec:
 
 def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
     """One round of the sharded exchange (engine/comm.py, docs/design/wire.md and zero1.md), per rank, S =
-    P / N of the padded buffer: reduce-scatter (N-1) S e_g (the gradient's bytes, ``grad_bytes``), or (N-1)(wire_bytes(S) + 4) under a
-    gradient codec (+ its 4-byte count weight); all-gather (N-1) S e_p, or (N-1) wire_bytes(S)
-    of low-bit deltas; the small all-reduce of 4 + 3N values."""
+    P / N of the padded buffer: reduce-scatter (N-1) S e_g (e_g the gradient's bytes, ``grad_bytes``),
+    or (N-1)(wire_bytes(S) + 4) under a gradient codec (+ its 4-byte count weight); all-gather
+    (N-1) S e_p, or (N-1) wire_bytes(S) of low-bit deltas; the small all-reduce of 4 + 3N values."""
     from acco_loco.registry import parse_codecs
 
     codecs = parse_codecs(mode.codec, mode.param_codec, ws.group_size, ws.scale_dtype)

@@ -78,14 +78,36 @@ def test_world1_accumulates_bf16_gradients_in_fp32(strategy):
     _check([_runs(0, 1, strategy)], 1, strategy)
 
 
+def _step_bytes(codec: str, grad_dtype: str) -> tuple[int, int]:
+    """(one zero1 step's bytes sent by this rank, the trainable values) of a bf16 model (the planner's align)."""
+    model = tiny_model(0, torch.bfloat16)
+    engine = Engine(model, _cfg("zero1", grad_dtype, codec=codec, optimizer="adamw", lr=1e-2, align=128), mse_loss)
+    engine.fit(iter(worker_stream(engine.rank, 2 * K, dtype=torch.bfloat16)))
+    engine.close()
+    return engine.history[-1]["wire_bytes"], engine.flat.numel
+
+
 def _both(rank: int, world: int) -> dict:
-    return {s: _runs(rank, world, s) for s in ("zero1", "acco")}
+    out = {s: _runs(rank, world, s) for s in ("zero1", "acco")}
+    out["bytes"] = {(c, g): _step_bytes(c, g) for c in ("none", "loco4") for g in ("auto", "compute")}
+    return out
 
 
 def test_world2_zero1_and_acco_accumulate_in_fp32():
+    from engine.planner.modes import Mode
+    from engine.planner.wire import Layout, WireSettings, step_bytes
+
     results = spawn(_both, 2)
     for strategy in ("zero1", "acco"):
         _check([r[strategy] for r in results], 2, strategy)
+    # the engine's counters and the planner's formula: fp32 on the wire uncompressed, a codec's
+    # bytes unchanged (it encodes from the buffer, whatever its dtype)
+    for (codec, g), (sent, numel) in results[0]["bytes"].items():
+        ws = WireSettings(compute_bytes=2, grad_dtype=g)
+        assert sent == step_bytes(numel, Layout(2, 1), Mode("zero1", codec), ws).rank, (codec, g)
+    got = {key: sent for key, (sent, _) in results[0]["bytes"].items()}
+    assert got["loco4", "auto"] == got["loco4", "compute"]
+    assert got["none", "auto"] > got["none", "compute"]
 
 
 def test_buffers_and_hooks_follow_the_setting():
