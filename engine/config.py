@@ -100,8 +100,11 @@ class EngineConfig:
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
     grad_dtype: str = setting("auto", "dtype the gradient is accumulated over micro-batches in and sent in "
-                              "uncompressed: auto = float32 (model_sharding='node': the compute dtype, FSDP2 hands "
-                              "each shard its gradient in the parameters' dtype); compute = the compute dtype")
+                              "uncompressed: auto = float32 where it costs no bytes (a gradient codec encodes it, "
+                              "or a local-step strategy keeps it), the compute dtype where it travels uncompressed "
+                              "(DDP's bf16 reduce) and under model_sharding='node' (FSDP2 hands each shard its "
+                              "gradient in the parameters' dtype); float32 = always (Megatron's fp32 reduce); "
+                              "compute = the compute dtype")
     nan_policy: str = setting("skip", "on a non-finite gradient or update: skip the step everywhere, or stop")
     seed: int = setting(0, "seed of the codecs' stochastic rounding")
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)

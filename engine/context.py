@@ -15,7 +15,7 @@ from .collectives import make_collectives
 from .comm import init_process_group, resolve_chunks
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
-from .grad_dtype import resolve_grad_dtype
+from .grad_dtype import gradient_travels_uncompressed, resolve_grad_dtype
 from .layout import make_two_level_collectives
 from .rounds import RoundContext
 from .strategies import shard_groups
@@ -85,7 +85,9 @@ def build_context(engine, named: list) -> RoundContext:
     if cfg.compute_dtype != "auto":
         cast_parameters(engine.model, dtype)
     flat = FlatParams([p for _, p in named], [n for n, _ in named], world, math.lcm(cfg.align, *shard_groups(cfg)),
-                      dtype, grad_dtype=resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=False))
+                      dtype, grad_dtype=resolve_grad_dtype(
+                          cfg.grad_dtype, dtype, node_sharded=False,
+                          uncompressed=gradient_travels_uncompressed(cfg.codec, engine.plan.local_steps > 0)))
     comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     padded32[:flat32.numel()] = flat32

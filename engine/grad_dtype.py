@@ -4,12 +4,17 @@ and in which an uncompressed gradient travels.
 A bf16 model's ``.grad`` is bf16: summed over k micro-batches in bf16, each add rounds the sum
 to 8 bits of mantissa. Megatron-LM keeps an fp32 ``main_grad`` buffer for bf16 runs instead, into
 which each backward's gradient is added and which is reduced in fp32
-(``accumulate_allreduce_grads_in_fp32``, its default for bf16). ``auto`` does the same on the
+(``accumulate_allreduce_grads_in_fp32``, its default for bf16). ``float32`` does the same on the
 flat path (engine/flat.py: the gradient buffers are fp32 and a post-accumulate-grad hook adds
-each parameter's bf16 ``.grad`` into its slice). Under model_sharding='node' FSDP2 hands each
-sharded parameter its reduced gradient in the sharded parameter's dtype (the compute dtype
-here): there ``auto`` is the compute dtype and ``float32`` is refused unless the parameters are
-fp32. With fp32 parameters every setting is fp32, exactly as before the setting existed.
+each parameter's bf16 ``.grad`` into its slice), and an uncompressed gradient then travels in
+fp32: twice the bytes of torch DDP's bf16 all-reduce. ``auto`` takes fp32 where that costs no
+bytes: where a gradient codec encodes the buffer (LoCo's encode reads fp32 whatever the buffer
+holds) or where gradients do not travel at all (the local-step strategies send pseudo-gradients);
+an uncompressed gradient of zero1, dpu, acco or 1-bit Adam stays in the compute dtype, as DDP's
+and FSDP2's reduce it. Under model_sharding='node' FSDP2 hands each sharded parameter its reduced
+gradient in the sharded parameter's dtype (the compute dtype here): there ``auto`` is the
+compute dtype and ``float32`` is refused unless the parameters are fp32. With fp32 parameters
+every setting is fp32, exactly as before the setting existed.
 """
 
 from __future__ import annotations
@@ -23,13 +28,24 @@ GRAD_DTYPE_NODE_REFUSED = (
     "(compute_dtype='float32')")
 
 
-def resolve_grad_dtype(setting: str, compute: torch.dtype, node_sharded: bool) -> torch.dtype:
+def resolve_grad_dtype(setting: str, compute: torch.dtype, node_sharded: bool,
+                       uncompressed: bool = False) -> torch.dtype:
     """The gradient buffers' dtype for ``setting`` ('auto', 'float32', 'compute') and the
-    parameters' (compute) dtype; raises for 'float32' under node sharding with non-fp32 params."""
+    parameters' (compute) dtype; ``uncompressed``: the gradient itself travels, with no codec
+    (``gradient_travels_uncompressed``). Raises for 'float32' under node sharding with non-fp32
+    params."""
     if setting == "compute" or compute == torch.float32:
         return compute
     if node_sharded:
         if setting == "float32":
             raise ValueError(GRAD_DTYPE_NODE_REFUSED)
         return compute
+    if setting == "auto" and uncompressed:
+        return compute
     return torch.float32
+
+
+def gradient_travels_uncompressed(codec: str, local_steps: bool) -> bool:
+    """Whether the accumulated gradient goes on the wire as it is: no gradient codec, and a
+    strategy that exchanges gradients (not a local-step one, which sends pseudo-gradients)."""
+    return codec == "none" and not local_steps

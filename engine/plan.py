@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     b.add_argument("--grad-dtype", choices=("auto", "compute"), default="auto",
                    help="EngineConfig grad_dtype, the gradient buffers' and an uncompressed gradient's dtype: "
-                        "auto = float32 (model-sharded modes: the compute dtype), compute = the compute dtype")
+                        "auto = float32 under a gradient codec and for local-step modes, the compute dtype where the "
+                        "gradient travels uncompressed and for model-sharded modes; compute = the compute dtype")
     b.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="auto",
                    help="per block: auto = only for the modes that do not fit without it (its recompute is "
                    "in their step time)")

@@ -201,7 +201,7 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
                       held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"])
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
-                      frozen=frozen, grad_bytes=ws.grad_bytes(mode.sharding))
+                      frozen=frozen, grad_bytes=ws.grad_bytes(mode))
     return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
                   held["error_feedback"], held["comm"] + held["temporaries"])
 
@@ -210,14 +210,14 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     e, n = ws.compute_bytes, layout.world
     pt, frozen = shape.trainable, shape.params - shape.trainable
     per = (37 if e == 4 else 33) + 4 / n
-    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode.sharding) * pt, 0.0, (per - 4 * e) * pt)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, (per - 4 * e) * pt)
 
 
 def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e = ws.compute_bytes
     pt, frozen = shape.trainable, shape.params - shape.trainable
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
-    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode.sharding) * pt, 12 * pt / share, 12 * pt / share)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share, 12 * pt / share)
 
 
 FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local}

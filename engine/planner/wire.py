@@ -74,7 +74,7 @@ def node_round_bytes(numel: int, g: int, mode: Mode, ws: WireSettings) -> float:
     small all-reduce)."""
     if mode.local_steps:
         return sum(sharded_round_parts(numel, g, Mode(mode.strategy), ws).values())
-    return (g - 1) * (padded(numel, g, ALIGN) // g) * (ws.grad_bytes(mode.sharding) + ws.compute_bytes)
+    return (g - 1) * (padded(numel, g, ALIGN) // g) * (ws.grad_bytes(mode) + ws.compute_bytes)
 
 
 def step_bytes(numel: int, layout: Layout, mode: Mode, ws: WireSettings,

@@ -42,18 +42,22 @@ class WireSettings:
     pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
     grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/grad_dtype.py): auto | float32 | compute
 
-    def grad_bytes(self, sharding: str = "none") -> int:
-        """Bytes of a gradient value in the gradient buffers and on an uncompressed wire: 4 under
-        grad_dtype auto, but the compute dtype's under model_sharding='node' (FSDP2 gives the
-        shards their gradients in the parameters' dtype) or with grad_dtype 'compute'."""
+    def grad_bytes(self, mode) -> int:
+        """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,
+        codec and strategy), which an uncompressed gradient also travels in: the compute dtype's
+        with grad_dtype 'compute', under model_sharding='node' (FSDP2 gives the shards their
+        gradients in the parameters' dtype) or, under 'auto', where the gradient travels
+        uncompressed; else 4 (engine/grad_dtype.py)."""
         if self.grad_dtype == "compute" or self.compute_bytes == 4:
             return self.compute_bytes
-        if sharding != "node":
-            return 4
-        if self.grad_dtype == "float32":
-            raise ValueError("grad_dtype='float32' with model_sharding='node' and bf16 parameters is refused by the "
-                             "engine (engine/grad_dtype.py): use grad_dtype='auto' or 'compute'")
-        return self.compute_bytes
+        if mode.sharding == "node":
+            if self.grad_dtype == "float32":
+                raise ValueError("grad_dtype='float32' with model_sharding='node' and bf16 parameters is refused by "
+                                 "the engine (engine/grad_dtype.py): use grad_dtype='auto' or 'compute'")
+            return self.compute_bytes
+        if self.grad_dtype == "auto" and mode.codec == "none" and not mode.local_steps:
+            return self.compute_bytes
+        return 4
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
     p = padded(numel, world, codecs.unit(ALIGN))
     s = p // world
     grad = codecs.grad_wire
-    rs = (world - 1) * (s * ws.grad_bytes(mode.sharding) if grad is None else grad.wire_bytes(s) + 4)
+    rs = (world - 1) * (s * ws.grad_bytes(mode) if grad is None else grad.wire_bytes(s) + 4)
     ag = (world - 1) * codecs.param_wire_bytes(s, ws.compute_bytes)
     return {"all_to_all": rs, "all_gather": ag, "small": small_bytes(world, 4 + 3 * world)}
 

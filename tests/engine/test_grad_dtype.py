@@ -37,7 +37,7 @@ def _first_step_gradient(rank: int, world: int, strategy: str, grad_dtype: str) 
 
 
 def _runs(rank: int, world: int, strategy: str) -> dict:
-    return {g: _first_step_gradient(rank, world, strategy, g) for g in ("auto", "compute")}
+    return {g: _first_step_gradient(rank, world, strategy, g) for g in ("float32", "compute")}
 
 
 def _reference(world: int, strategy: str) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _reference(world: int, strategy: str) -> torch.Tensor:
 
 def _gradients(results: list[dict], numel: int) -> dict[str, torch.Tensor]:
     out = {}
-    for g in ("auto", "compute"):
+    for g in ("float32", "compute"):
         before = torch.cat([r[g][0] for r in results])[:numel].double()
         after = torch.cat([r[g][1] for r in results])[:numel].double()
         out[g] = (before - after) / LR
@@ -68,7 +68,7 @@ def _gradients(results: list[dict], numel: int) -> dict[str, torch.Tensor]:
 def _check(results: list[dict], world: int, strategy: str) -> None:
     want = _reference(world, strategy)
     got = _gradients(results, want.numel())
-    fp32_err, bf16_err = rel_err(got["auto"], want), rel_err(got["compute"], want)
+    fp32_err, bf16_err = rel_err(got["float32"], want), rel_err(got["compute"], want)
     assert fp32_err < 2e-6, (strategy, world, fp32_err)
     assert bf16_err > 1e-4 and bf16_err > 50 * fp32_err, (strategy, world, fp32_err, bf16_err)
 
@@ -89,7 +89,7 @@ def _step_bytes(codec: str, grad_dtype: str) -> tuple[int, int]:
 
 def _both(rank: int, world: int) -> dict:
     out = {s: _runs(rank, world, s) for s in ("zero1", "acco")}
-    out["bytes"] = {(c, g): _step_bytes(c, g) for c in ("none", "loco4") for g in ("auto", "compute")}
+    out["bytes"] = {(c, g): _step_bytes(c, g) for c in ("none", "loco4") for g in ("auto", "float32", "compute")}
     return out
 
 
@@ -106,12 +106,13 @@ def test_world2_zero1_and_acco_accumulate_in_fp32():
         ws = WireSettings(compute_bytes=2, grad_dtype=g)
         assert sent == step_bytes(numel, Layout(2, 1), Mode("zero1", codec), ws).rank, (codec, g)
     got = {key: sent for key, (sent, _) in results[0]["bytes"].items()}
-    assert got["loco4", "auto"] == got["loco4", "compute"]
-    assert got["none", "auto"] > got["none", "compute"]
+    assert got["loco4", "auto"] == got["loco4", "float32"] == got["loco4", "compute"]
+    # auto keeps an uncompressed gradient in bf16 (DDP's bytes); float32 sends it in fp32
+    assert got["none", "auto"] == got["none", "compute"] < got["none", "float32"]
 
 
 def test_buffers_and_hooks_follow_the_setting():
-    engine = Engine(tiny_model(0, torch.bfloat16), _cfg("acco", "auto"), mse_loss)
+    engine = Engine(tiny_model(0, torch.bfloat16), _cfg("acco", "auto", codec="loco4"), mse_loss)
     flat = engine.flat
     assert flat.hooked and all(g.dtype == torch.float32 for g in flat.grads)
     assert all(p.grad is None for p in engine.model.parameters())
@@ -123,9 +124,13 @@ def test_buffers_and_hooks_follow_the_setting():
         flat.check_grads_attached()
     engine.model[0].weight.grad = None
     engine.close()
-    compute = Engine(tiny_model(0, torch.bfloat16), _cfg("acco", "compute"), mse_loss)
-    assert not compute.flat.hooked and all(g.dtype == torch.bfloat16 for g in compute.flat.grads)
-    compute.close()
+    for setting, codec in (("compute", "loco4"), ("auto", "none")):  # auto: an uncompressed gradient stays bf16
+        compute = Engine(tiny_model(0, torch.bfloat16), _cfg("acco", setting, codec=codec), mse_loss)
+        assert not compute.flat.hooked and all(g.dtype == torch.bfloat16 for g in compute.flat.grads), setting
+        compute.close()
+    local = Engine(tiny_model(0, torch.bfloat16), _cfg("diloco", "auto"), mse_loss)  # no gradient on the wire
+    assert local.flat.hooked and all(g.dtype == torch.float32 for g in local.flat.grads)
+    local.close()
 
 
 def test_fp32_models_are_unchanged_by_the_setting():
@@ -148,6 +153,8 @@ def test_fp32_models_are_unchanged_by_the_setting():
 def test_resolution_and_the_refusal_under_node_sharding():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert resolve_grad_dtype("auto", bf16, node_sharded=False) == fp32
+    assert resolve_grad_dtype("auto", bf16, node_sharded=False, uncompressed=True) == bf16
+    assert resolve_grad_dtype("float32", bf16, node_sharded=False, uncompressed=True) == fp32
     assert resolve_grad_dtype("compute", bf16, node_sharded=False) == bf16
     assert resolve_grad_dtype("auto", bf16, node_sharded=True) == bf16
     assert resolve_grad_dtype("float32", fp32, node_sharded=True) == fp32

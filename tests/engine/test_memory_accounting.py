@@ -2,8 +2,9 @@
 model and the engine, by category, and the largest set of temporaries a round makes) against the
 per-parameter formula of engine/planner/memory.py (docs/design/zero1.md), in real gloo
 groups: flat at N = 2 and 4, two-level at 2 nodes x 2 and x 4 ranks, for zero1, acco and
-acco+loco4+int4params, fp32 and bf16 compute (gradients accumulated in fp32: grad_dtype auto), and
-zero1 with bf16 gradient buffers (grad_dtype compute), on the torch path (the one a GPU runs)."""
+acco+loco4+int4params, fp32 and bf16 compute (grad_dtype auto: bf16 gradient buffers where the
+gradient travels uncompressed, fp32 under a codec), and zero1 with fp32 gradient buffers (grad_dtype
+float32), on the torch path (the one a GPU runs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ MODES = {
     "zero1": dict(strategy="zero1"),
     "acco": dict(strategy="acco"),
     "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
-    "zero1+compute-grads": dict(strategy="zero1", grad_dtype="compute"),  # the others: fp32 gradient buffers
+    "zero1+fp32-grads": dict(strategy="zero1", grad_dtype="float32"),  # auto: the compute dtype uncompressed
 }
 DTYPES = {"float32": 4, "bfloat16": 2}
 EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
@@ -70,7 +71,7 @@ def _check(results, world: int, per_node: int, two_level: bool):
                                  kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
                                  param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
                                  chunks=chunks, backend="gloo",
-                                 grad_bytes=DTYPES[dtype] if kw.get("grad_dtype") == "compute" else 4)
+                                 grad_bytes=4 if kw.get("grad_dtype") == "float32" or "codec" in kw else DTYPES[dtype])
         got_total, want_total = sum(held.values()) + temps, sum(want.values())
         rows.append(f"{dtype} {name}: held {got_total / padded:.2f} B/param, formula {want_total / padded:.2f}; "
                     + ", ".join(f"{k} {held[k] / padded:.2f}/{want[k] / padded:.2f}" for k in CATEGORIES)

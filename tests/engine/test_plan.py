@@ -128,12 +128,15 @@ def test_memory_follows_the_layouts_of_design_3_1():
     acco = memory_per_gpu(Mode("acco", "loco4", "int4"), shape, layout, ws)
     acco2 = memory_per_gpu(Mode("acco", "loco4", "int4", "two-level"), shape, layout, ws)
     ddp = memory_per_gpu(Mode("torch-ddp"), shape, layout, ws)
-    # 2e + 2e_g (fp32 gradient buffers: grad_dtype auto), master + moments + spare, the reducer's
-    # output, the master's piece cast to bf16 (plus NCCL's one fp32 piece of the reduce-scatter: a
-    # constant, engine/planner/memory.py)
-    assert zero1.total == pytest.approx(shape.params * (12 + (24 + 4 + 2) / 64), rel=2e-3)
-    compute = memory_per_gpu(Mode("zero1"), shape, layout, WireSettings(compute_bytes=2, grad_dtype="compute"))
-    assert zero1.total - compute.total == pytest.approx(4 * shape.params, rel=1e-3)  # two buffers, 2 bytes more each
+    # 4e (uncompressed: grad_dtype auto keeps bf16 gradient buffers), master + moments + spare, the
+    # reducer's output, the master's piece cast to bf16 (plus NCCL's one fp32 piece of the
+    # reduce-scatter: a constant, engine/planner/memory.py)
+    assert zero1.total == pytest.approx(shape.params * (8 + (24 + 4 + 2) / 64), rel=2e-3)
+    fp32 = memory_per_gpu(Mode("zero1"), shape, layout, WireSettings(compute_bytes=2, grad_dtype="float32"))
+    assert fp32.total - zero1.total == pytest.approx(4 * shape.params, rel=1e-3)  # two buffers, 2 bytes more each
+    codec_fp32 = memory_per_gpu(Mode("zero1", "loco4"), shape, layout, ws)  # auto: fp32 under a codec
+    codec_bf16 = memory_per_gpu(Mode("zero1", "loco4"), shape, layout, WireSettings(compute_bytes=2, grad_dtype="compute"))
+    assert codec_fp32.total - codec_bf16.total == pytest.approx(4 * shape.params, rel=1e-3)
     assert acco.codec_state == pytest.approx(2 * shape.params * (1 + 4 / 128))
     assert acco2.codec_state == pytest.approx(acco.codec_state / 8)  # error feedback on the rank's slice
     assert ddp.total == 16 * shape.params

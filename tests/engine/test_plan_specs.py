@@ -99,18 +99,18 @@ def test_node_sharding_divides_the_model_state_by_g_and_keeps_the_node_link_byte
         # parameters and gradients (and their comm-side copies) at 1/G of the unsharded run's, at most
         assert node.params + node.grads - block <= (one.params + one.grads) / 8 * 1.0001
         assert node.optimizer == one.optimizer and node.codec_state == one.codec_state  # already 1/(G M), 1/G
-        # the same bytes over the rails when both accumulate in bf16; by default the unsharded run's
-        # gradient is fp32 (grad_dtype auto), FSDP2's the parameters' bf16: an uncompressed one then
-        # sends 2 bytes a value less over the rail, a codec the same bytes
-        same = WireSettings(compute_bytes=2, grad_dtype="compute")
-        assert step_bytes(shape.trainable, layout, sharded, same).node_link == \
-            step_bytes(shape.trainable, layout, mode, same).node_link
-        auto_sharded = step_bytes(shape.trainable, layout, sharded, BF16).node_link
+        # the same bytes over the rails under grad_dtype auto (an uncompressed gradient stays bf16 on
+        # both; a codec's bytes do not depend on the buffer); with float32 the unsharded run's
+        # uncompressed gradient sends 2 bytes a value more (FSDP2's stays the parameters' bf16)
+        assert step_bytes(shape.trainable, layout, sharded, BF16).node_link == \
+            step_bytes(shape.trainable, layout, mode, BF16).node_link
+        fp32 = WireSettings(compute_bytes=2, grad_dtype="float32")
+        fp32_whole = step_bytes(shape.trainable, layout, mode, fp32).node_link
         auto_whole = step_bytes(shape.trainable, layout, mode, BF16).node_link
         if mode.codec == "none":
-            assert auto_whole - auto_sharded == pytest.approx(7 / 8 * 2 * shape.trainable, rel=1e-3)
+            assert fp32_whole - auto_whole == pytest.approx(7 / 8 * 2 * shape.trainable, rel=1e-3)
         else:
-            assert auto_whole == auto_sharded
+            assert fp32_whole == auto_whole
     with pytest.raises(ValueError, match="two-level"):
         Mode("zero1", sharding="node")
 
