@@ -9,7 +9,7 @@ metrics.jsonl: median s/step over steps 4.., samples/s, wire MB per step, held-o
 
 ``--against-zero1 RATE[,RATE...]`` instead runs, at each rate, the recipe's defaults (no flags:
 strategy auto, which probes the link) and plain zero1 (``--strategy zero1 --codec none
---param-codec none``) side by side, and
+--param-codec auto``: the compute dtype) side by side, and
 reports the ratios of their step and per-sample times, auto's logged choice and the machine's
 load average before each run (``--extra`` adds the same flags to both):
 
@@ -74,7 +74,7 @@ def against_zero1(rates: list[str], steps: int, extra: list[str], work: Path, ti
     for rate in rates:
         pair = {}
         # plain zero1: under a named strategy the recipe's codec defaults (loco4 + int8) apply unless set
-        runs = [("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none", "--param-codec", "none"])]
+        runs = [("defaults", []), ("zero1", ["--strategy", "zero1", "--codec", "none", "--param-codec", "auto"])]
         for name, flags in runs + [(f"named_{s}", ["--strategy", s]) for s in named]:
             pair[name] = run_recipe(rate, steps, [*flags, *extra], work / f"{rate}_{name}",
                                     f"qs{os.getpid() % 1000}", timeout_s)
