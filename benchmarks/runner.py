@@ -392,6 +392,16 @@ def run_all(args, workdir: str, runs: list[dict], compute_rates: list[dict]) -> 
     return failures
 
 
+def heldout_set(path: str) -> tuple:
+    """(held-out text, seq_len, sequences) a benchmark JSON scored its runs on: --eval-batches
+    batches of its --micro-batch (older JSONs without ``eval_micro_batch`` scored each mode on
+    its own micro-batch: their reference's, the command's --micro-batch, is what is compared)."""
+    with open(path) as f:
+        cfg = json.load(f).get("config", {})
+    per_batch = cfg.get("eval_micro_batch") or cfg.get("micro_batch")
+    return cfg.get("heldout"), cfg.get("seq_len"), cfg.get("eval_batches", 0) * (per_batch or 0)
+
+
 def config_json(args) -> dict:
     """The parsed arguments as JSON (each mode's batch plan as a dict)."""
     out = {k: v for k, v in vars(args).items() if k != "batch_plans"}

@@ -386,6 +386,13 @@ def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
                   f"speed shares gives a step other windows than the dealt order this run uses: rerun "
                   f"them instead of merging", file=sys.stderr)
             return None
+        theirs, ours = runner.heldout_set(path), (args.heldout, args.seq_len, args.eval_batches * args.micro_batch)
+        if theirs != ours:
+            print(f"error: --merge {path}: its runs were scored on another held-out set (name, seq_len, sequences) "
+                  f"{theirs}, this run on {ours} (--eval-batches x --micro-batch sequences): losses on two sets "
+                  f"do not compare; set --eval-batches so that both hold as many sequences, or rerun them",
+                  file=sys.stderr)
+            return None
         runs += runs_in
         compute_rates += rates_in
         runner.log(f"merged {len(runs_in)} runs from {path}")

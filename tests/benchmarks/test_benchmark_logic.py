@@ -216,3 +216,29 @@ def test_every_mode_is_evaluated_on_the_same_held_out_sequences():
     assert len(a) == len(b) == 2
     for x, y in zip(a, b):
         assert torch.equal(x["input_ids"], y["input_ids"])
+
+
+def test_merge_refuses_runs_scored_on_another_heldout_set(tmp_path, capsys):
+    """A run at --micro-batch 4 and the default --eval-batches 8 scores 32 held-out sequences, half
+    of the 64 the default command scores: merging it into a table would compare two sets (zero1
+    at micro-batch 4 read 2.245 on the half against DDP's 2.280 on the whole, the same model to
+    0.02% on the same set)."""
+    from recipes.benchmark import merged_runs
+
+    args = parse_args(["--modes", "zero1", "--seeds", "1", "--no-lr-sweep"])
+    rows = aggregate(args, [{**fake_run("zero1", 1e-3, 0, 2.5), "protocol": "matched", "global_batch": 16}], [20.0])
+
+    def write(name: str, **cfg) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"modes": rows, "compute_only_samples_per_s": [20.0],
+                                    "config": {"heldout": args.heldout, "seq_len": args.seq_len, **cfg}}))
+        return str(path)
+
+    half = write("half.json", micro_batch=4, eval_micro_batch=4, eval_batches=8)
+    same = write("same.json", micro_batch=4, eval_micro_batch=4, eval_batches=16)
+    old = write("old.json", micro_batch=8, eval_batches=8)  # before eval_micro_batch: the command's micro-batch
+    assert merged_runs(parse_args(["--modes", "zero1", "--merge", half])) is None
+    assert "another held-out set" in capsys.readouterr().err
+    for path in (same, old):
+        merged = merged_runs(parse_args(["--modes", "zero1", "--merge", path]))
+        assert merged is not None and len(merged[0]) == 1
