@@ -188,11 +188,6 @@ def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, 
 def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e, n, g = ws.compute_bytes, layout.world, layout.ranks_per_node
     pt, frozen = shape.trainable, shape.params - shape.trainable
-    opt = (24 + 4 * spec.kept_shards) * pt / n
-    ef = 0.0
-    if mode.codec != "none":
-        slice_ = pt / g if mode.exchange == "two-level" else pt
-        ef = 2 * slice_ * (1 + 4 / ws.group_size)
     if mode.sharding == "node":
         held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,
                                   codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e,
