@@ -28,21 +28,25 @@ GRAD_DTYPE_NODE_REFUSED = (
     "(compute_dtype='float32')")
 
 
+def grad_buffers_fp32(setting: str, compute_fp32: bool, node_sharded: bool, uncompressed: bool) -> bool:
+    """The rule, on dtypes' names only (the planner's WireSettings asks it too): whether the
+    gradient buffers are fp32. Raises for 'float32' under node sharding with non-fp32 params."""
+    if setting == "compute" or compute_fp32:
+        return compute_fp32
+    if node_sharded:
+        if setting == "float32":
+            raise ValueError(GRAD_DTYPE_NODE_REFUSED)
+        return False
+    return not (setting == "auto" and uncompressed)
+
+
 def resolve_grad_dtype(setting: str, compute: torch.dtype, node_sharded: bool,
                        uncompressed: bool = False) -> torch.dtype:
     """The gradient buffers' dtype for ``setting`` ('auto', 'float32', 'compute') and the
     parameters' (compute) dtype; ``uncompressed``: the gradient itself travels, with no codec
-    (``gradient_travels_uncompressed``). Raises for 'float32' under node sharding with non-fp32
-    params."""
-    if setting == "compute" or compute == torch.float32:
-        return compute
-    if node_sharded:
-        if setting == "float32":
-            raise ValueError(GRAD_DTYPE_NODE_REFUSED)
-        return compute
-    if setting == "auto" and uncompressed:
-        return compute
-    return torch.float32
+    (``gradient_travels_uncompressed``)."""
+    fp32 = grad_buffers_fp32(setting, compute == torch.float32, node_sharded, uncompressed)
+    return torch.float32 if fp32 else compute
 
 
 def gradient_travels_uncompressed(codec: str, local_steps: bool) -> bool:

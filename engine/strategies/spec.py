@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..grad_dtype import grad_buffers_fp32, gradient_travels_uncompressed
+
 ALIGN = 128  # EngineConfig.align
 
 
@@ -44,20 +46,11 @@ class WireSettings:
 
     def grad_bytes(self, mode) -> int:
         """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,
-        codec and strategy), which an uncompressed gradient also travels in: the compute dtype's
-        with grad_dtype 'compute', under model_sharding='node' (FSDP2 gives the shards their
-        gradients in the parameters' dtype) or, under 'auto', where the gradient travels
-        uncompressed; else 4 (engine/grad_dtype.py)."""
-        if self.grad_dtype == "compute" or self.compute_bytes == 4:
-            return self.compute_bytes
-        if mode.sharding == "node":
-            if self.grad_dtype == "float32":
-                raise ValueError("grad_dtype='float32' with model_sharding='node' and bf16 parameters is refused by "
-                                 "the engine (engine/grad_dtype.py): use grad_dtype='auto' or 'compute'")
-            return self.compute_bytes
-        if self.grad_dtype == "auto" and mode.codec == "none" and not mode.local_steps:
-            return self.compute_bytes
-        return 4
+        codec and strategy), which an uncompressed gradient also travels in (the engine's rule,
+        engine/grad_dtype.py)."""
+        fp32 = grad_buffers_fp32(self.grad_dtype, self.compute_bytes == 4, mode.sharding == "node",
+                                 gradient_travels_uncompressed(mode.codec, mode.local_steps))
+        return 4 if fp32 else self.compute_bytes
 
 
 @dataclass(frozen=True)
