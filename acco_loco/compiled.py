@@ -21,6 +21,7 @@ from .feedback import compress_piece as eager_piece
 
 log = logging.getLogger("acco_loco")
 
+RECOMPILE_LIMIT = 64  # graphs of compress_piece per process
 _compiled = None
 _compiled_piece = None
 failed: str | None = None  # why the compiled path was given up, once it was
@@ -70,12 +71,18 @@ def compress_piece(x, codec, state, state_codec, beta: float, zero: bool, update
     compiling failed. A failed compile ran nothing, so that piece's state is untouched and the
     eager code takes it from there."""
     global _compiled_piece, failed
-    if generator is not None or failed is not None:
+    if generator is not None or failed is not None or zero:
+        # zero: the first round after a start, once: not worth a graph of its own (every graph
+        # counts against Dynamo's recompile limit)
         return eager_piece(x, codec, state, state_codec, beta, zero, update, generator)
     if _compiled_piece is None:
         _compiled_piece = torch.compile(eager_piece, fullgraph=True, dynamic=False)
     try:
-        return _compiled_piece(x, codec, state, state_codec, beta, zero, update)
+        # one graph per (codec, piece length, update): a run has a handful (the gradient and the
+        # parameter codec, the last piece's length); Dynamo's default limit of 8 per function
+        # would send the rest to the eager code for good
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return _compiled_piece(x, codec, state, state_codec, beta, zero, update)
     except Exception as exc:
         failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.warning("acco_loco: compiling the encode + error feedback failed (%s); running the eager torch "

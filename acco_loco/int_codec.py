@@ -60,7 +60,10 @@ class IntCodec(Codec):
         """Per-group ``(scale to quantize with in fp32, scale on the wire)`` from the absmax."""
         # absmax / qmax, kept >= the smallest normal fp32 for non-zero groups (a subnormal
         # quotient would lose precision and let h / scale exceed qmax); 0 for zero groups
-        scale = torch.where(amax > 0, (amax / self.qmax).clamp_min_(_FP32_TINY), 0.0)
+        # divided by a device tensor, not a Python number: CUDA turns ``tensor / number`` into a
+        # multiply by its rounded reciprocal (a last-bit difference from the CPU's quotient)
+        qmax = torch.full((), float(self.qmax), dtype=amax.dtype, device=amax.device)
+        scale = torch.where(amax > 0, (amax / qmax).clamp_min_(_FP32_TINY), 0.0)
         if self.scale_dtype == torch.bfloat16:
             scales = _ceil_to_bf16(scale)
             return scales.to(torch.float32), scales

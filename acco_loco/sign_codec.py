@@ -55,7 +55,8 @@ class SignCodec(Codec):
         rms = _group_rms(xg)
         if check_finite and xg.numel() and not bool(torch.isfinite(rms).all()):
             raise _nonfinite_error(f"{self.name}.encode input")
-        codes = torch.ge(xg, 0).view(-1).view(torch.uint8)  # sign(0) = sign(-0.0) = +1
+        # sign(0) = sign(-0.0) = +1; converted, not viewed: Inductor's CUDA lowering cannot bitcast bool
+        codes = torch.ge(xg, 0).view(-1).to(torch.uint8)
         payload, scales = pack_bits(codes, 1), rms.to(self.scale_dtype)
         # nothing cheaper to reuse than the payload: decode it
         return (payload, scales, self.decode(payload, scales)) if keep_decoded else (payload, scales)

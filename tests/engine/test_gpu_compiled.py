@@ -95,8 +95,9 @@ def test_the_reducer_runs_the_compiled_path_where_available(monkeypatch):
         return flat_params(eng.model)
     eager = run(False)
     assert calls == []
-    # every round's encode went through it, piece by piece (temporaries one piece long)
-    assert torch.equal(run(True), eager) and len(calls) >= 8
+    # every round's encode after the first (whose error is known zero: eager, no graph of its
+    # own) went through it, piece by piece (temporaries one piece long)
+    assert torch.equal(run(True), eager) and len(calls) >= 6
 
 
 @pytest.mark.slow
@@ -122,8 +123,8 @@ def test_compiled_encode_and_feedback_give_the_eager_payload(name):
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_compiled_pieces_give_the_eager_pieces(name):
     """The engine's compiled path, really compiled (Inductor's C++ on CPU): pieces of 256 values
-    of a 4096-value buffer over three rounds give eager's first-round bits, and later rounds
-    within one codec level (the compensation's multiply-add may fuse differently); one graph
+    of a 4096-value buffer over three rounds give eager's first-round bits (that round runs
+    eager: its error is known zero), and later rounds within one codec level (the compensation's multiply-add may fuse differently); one graph
     serves every piece of a length (no recompile per offset)."""
     codec = make_codec(name, group_size=128)
     fb, ref = (ErrorFeedback("loco", 4096, device="cpu") for _ in range(2))
@@ -137,3 +138,23 @@ def test_compiled_pieces_give_the_eager_pieces(name):
             assert (p != wp).float().mean() < 0.01
             assert (codec.decode(p, s) - codec.decode(wp, ws)).abs().max() <= 2 * s.max()
     assert (fb.error() - ref.error()).abs().max() <= 2 * ref.error().abs().max() / 127
+
+
+def test_more_piece_lengths_than_dynamos_default_limit_stay_compiled(monkeypatch):
+    """Each (codec, piece length) is a graph of its own; a run with more than Dynamo's default 8
+    (two codecs, the last piece's length, the check's sizes: 8 were hit on the first H200 run)
+    keeps the compiled path instead of falling back to eager for good. Traced by Dynamo with
+    the eager backend (the limit is Dynamo's; no Inductor compile needed to reach it)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    compiled.reset()
+    codec = make_codec("int8", group_size=128)
+    lengths = [128 * (i + 1) for i in range(10)]
+    for n in lengths:
+        fb = ErrorFeedback("loco", n, device="cpu")
+        for zero in (True, False):  # the first round (error known zero) runs eager
+            compiled.compress_piece(_x(n, n), codec, fb._state(0, n), fb._codec, fb.beta, zero, True)
+    assert compiled.failed is None, compiled.failed
+    torch._dynamo.reset()
+    compiled.reset()
