@@ -20,7 +20,8 @@ part only), the JSON is rewritten after every part, and the whole stays under 8 
    (engine/planner/memory.py);
 7. ``model_sharding``: ``EngineConfig(model_sharding="node")`` at world 1: FSDP2 beside the
    engine's streams, a few steps of zero1 and acco, bytes per parameter against the formula;
-8. ``finetune``: the recipe on the GPU for 5 steps; 9. ``gpu_tests``: the GPU-marked tests.
+8. ``finetune``: the recipe on the GPU for 5 steps; 9. ``gpu_tests``: the GPU-marked tests (the
+   engine's CUDA path; the codecs compiled into Triton against eager).
 
 Without a CUDA device it exits with status 2 and writes nothing. ``--device cpu --small`` runs
 the parts that can run on CPU (the tests' smoke run: the machinery and the calls into the engine;
@@ -60,8 +61,8 @@ class Part:
 
 
 PARTS = [Part("nccl_world1", 45, cuda_only=True), Part("gloo_pair", 60), Part("sync_debug", 45),
-         Part("codecs", 75), Part("overlap", 60), Part("memory", 45), Part("model_sharding", 30),
-         Part("finetune", 45), Part("gpu_tests", 75, cuda_only=True)]
+         Part("codecs", 75), Part("overlap", 30), Part("memory", 45), Part("model_sharding", 30),
+         Part("finetune", 45), Part("gpu_tests", 120, cuda_only=True)]
 BY_NAME = {p.name: p for p in PARTS}
 
 

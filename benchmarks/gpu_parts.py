@@ -542,12 +542,16 @@ def _run(cmd: list[str], limit_s: float) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+GPU_TEST_FILES = ("tests/engine/test_gpu.py", "tests/engine/test_compiled_codecs.py")
+
+
 def gpu_tests(args) -> dict:
-    """The GPU-marked tests (tests/engine/test_gpu.py), their pass/fail/skip counts."""
+    """The GPU-marked tests (GPU_TEST_FILES: the engine's CUDA path, the codecs compiled by
+    Inductor into Triton against eager), their pass/fail/skip counts."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
         proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                     f"--junitxml={xml}", "tests/engine/test_gpu.py"], args.part_limit_s - 5)
+                     f"--junitxml={xml}", *GPU_TEST_FILES], args.part_limit_s - 5)
         cases = []
         if os.path.exists(xml):
             for case in ET.parse(xml).getroot().iter("testcase"):

@@ -1,6 +1,7 @@
 """The codecs compiled with torch.compile (Inductor: C++ on CPU, Triton on a GPU) against the
 eager torch code they come from, the reference: the same payload, scales and decoded values,
-bit for bit for the int codecs and top-k; sign1's scale (a root mean square: a sum in an order
+bit for bit for the int codecs and top-k (on CUDA the int codecs' scales within 2 ulp and codes
+within one step: Triton's division); sign1's scale (a root mean square: a sum in an order
 Inductor picks) within 4 eps; the accumulating decode within one rounding (fused multiply-add
 or not), for int8 / int4 / int2 / sign1 (groups of 128, fp32 scales) and top-k. This is the
 evidence a device path built by compiling the one torch source needs (issue 23, "codecs on the
@@ -40,12 +41,22 @@ def test_compiled_int_and_sign_codecs_equal_eager(name, device):
     accumulate = torch.compile(lambda p, s, o: codec.decode(p, s, out=o, accumulate=True), dynamic=False)
     payload, scales, decoded = encode(x)
     want_p, want_s, want_d = codec.encode_with_decoded(x, check_finite=False)
+    eps = torch.finfo(torch.float32).eps
+    if device == "cuda" and name != "sign1":
+        # Triton's fp32 `/` is div.full.f32 (within 2 ulp, not rounded to nearest:
+        # triton-lang/triton#10661), so absmax / qmax may land an ulp or two off eager's quotient
+        # and a value at a rounding midpoint may take the neighbouring code (H200: 1.4e-6 of the
+        # codes, benchmarks/gpu_check.py). What is sent must still be what the feedback keeps.
+        assert ((scales - want_s).abs() <= 2 * eps * want_s.abs()).all()
+        step = (codec._codes(payload).int() - codec._codes(want_p).int()).abs()
+        assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 1e-3
+        assert torch.equal(decoded, codec.decode(payload, scales))
+        want_p, want_s, want_d = payload, scales, decoded  # the decodes below: of the compiled bits
     assert torch.equal(payload, want_p)
     if name == "sign1":
         # its scale is a root mean square: a sum of 128 squares, added in an order Inductor picks
         # (eager's differs), so the scale and the decoded values move by a few units in the last
         # place (measured: at most 1.55 eps on this data, 192 of 512 scales differ); bound 4 eps
-        eps = torch.finfo(torch.float32).eps
         assert ((scales - want_s).abs() <= 4 * eps * want_s.abs()).all()
         assert ((decoded - want_d).abs() <= 4 * eps * want_d.abs()).all()
         scales, want_s = want_s, want_s  # decode the same scales below
