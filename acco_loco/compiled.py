@@ -78,11 +78,15 @@ def compress_piece(x, codec, state, state_codec, beta: float, zero: bool, update
     if _compiled_piece is None:
         _compiled_piece = torch.compile(eager_piece, fullgraph=True, dynamic=False)
     try:
-        # one graph per (codec, piece length, update): a run has a handful (the gradient and the
-        # parameter codec, the last piece's length); Dynamo's default limit of 8 per function
-        # would send the rest to the eager code for good
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        try:
             return _compiled_piece(x, codec, state, state_codec, beta, zero, update)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # one graph per (codec, piece length, update): a run has a handful (the gradient and
+            # the parameter codec, the last piece's length); past Dynamo's default 8 per function
+            # the new graph is compiled under a higher limit (nothing ran: fullgraph raises before).
+            # Only here: entering the patch costs ~0.1 ms, too much for every piece
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return _compiled_piece(x, codec, state, state_codec, beta, zero, update)
     except Exception as exc:
         failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.warning("acco_loco: compiling the encode + error feedback failed (%s); running the eager torch "

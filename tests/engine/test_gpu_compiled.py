@@ -124,8 +124,9 @@ def test_compiled_encode_and_feedback_give_the_eager_payload(name):
 def test_compiled_pieces_give_the_eager_pieces(name):
     """The engine's compiled path, really compiled (Inductor's C++ on CPU): pieces of 256 values
     of a 4096-value buffer over three rounds give eager's first-round bits (that round runs
-    eager: its error is known zero), and later rounds within one codec level (the compensation's multiply-add may fuse differently); one graph
-    serves every piece of a length (no recompile per offset)."""
+    eager: its error is known zero), and later rounds within one codec level (the compensation's
+    multiply-add may fuse differently); one graph serves every piece of a length (no recompile
+    per offset)."""
     codec = make_codec(name, group_size=128)
     fb, ref = (ErrorFeedback("loco", 4096, device="cpu") for _ in range(2))
     for seed in range(3):
@@ -142,7 +143,7 @@ def test_compiled_pieces_give_the_eager_pieces(name):
 
 def test_more_piece_lengths_than_dynamos_default_limit_stay_compiled(monkeypatch):
     """Each (codec, piece length) is a graph of its own; a run with more than Dynamo's default 8
-    (two codecs, the last piece's length, the check's sizes: 8 were hit on the first H200 run)
+    (two codecs, the last piece's length, the check's sizes: 8 were hit on the second H200 run)
     keeps the compiled path instead of falling back to eager for good. Traced by Dynamo with
     the eager backend (the limit is Dynamo's; no Inductor compile needed to reach it)."""
     real_compile = torch.compile
