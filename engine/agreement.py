@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from .comm import _all_gather_single
 
@@ -58,22 +57,23 @@ def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> tuple[str,
     return "the description's order", "-", "-"
 
 
-def check_agreement(model: torch.nn.Module, cfg, rank: int, world: int, device: torch.device) -> None:
+def check_agreement(model: torch.nn.Module, cfg, control, device: torch.device) -> None:
     """Raise the same ValueError on every rank if any rank's model or config differs from rank 0's.
 
-    Collective: every rank calls it once, before the first collective that depends on the sizes."""
+    Collective on ``control`` (the engine's world group of the compute thread): every rank calls
+    it once, before the first collective that depends on the sizes."""
+    world = control.world_size
     if world <= 1:
         return
     mine = describe(model, cfg)
     local = digest(mine).to(device)
     gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
-    _all_gather_single(gathered, local)
+    _all_gather_single(gathered, local, group=control.group)  # start-up: not counted as a round's bytes
     rows = gathered.view(world, -1).cpu()
     differ = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
     if not differ:
         return
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)  # only on a mismatch: the details, to name them
+    everyone = control.all_gather_object(mine)  # only on a mismatch: the details, to name them
     bad = differ[0]
     key, there, here = first_difference(everyone[0], everyone[bad])
     others = f" (ranks {differ} differ from rank 0 in all)" if len(differ) > 1 else ""

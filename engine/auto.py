@@ -10,8 +10,8 @@ and rounds is taken. Every rank probes with the slowest rank's figures, so all r
 same. The choice and its predicted figures are logged (logger ``acco_loco``) and returned as an
 ``AutoChoice`` (the Engine keeps it as ``engine.auto_choice``).
 
-The probe needs the process group, so the group starts here, the way the Engine starts it
-(engine/context.py ``start_process_group``); the Engine then finds it running.
+The probe runs on the engine's own groups of the compute thread (engine/parallel/dims.py), never
+on the default group, which stays the user's.
 
 The compute probe times one synthetic sample per micro-batch (a sequence of up to 512 tokens for
 a transformers model, one row for a model that starts with a Linear layer): a run whose
@@ -54,27 +54,23 @@ class AutoChoice:
     samples_per_s: float = 0.0
 
 
-def choose_strategy(cfg, model: torch.nn.Module):
+def choose_strategy(cfg, model: torch.nn.Module, dims):
     """(cfg, None) unless ``cfg.strategy == "auto"``; then (a copy with the chosen strategy, codec
     and param_codec, the AutoChoice that says why)."""
     if cfg.strategy != "auto":
         return cfg, None
-    from .context import start_process_group
     from .planner.hardware import cpu_testbed, gpu
     from .planner.modes import CODEC_VARIANTS, Mode
     from .planner.probe import model_step, probe_cluster, time_compute
     from .planner.recommend import TIE, simplicity
     from .planner.shape import ModelShape
     from .planner.timeline import Batch, step_time
+    from .grad_dtype import resolve_compute_dtype
     from .planner.wire import WireSettings
     from .topology import Layout
 
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("the model has no trainable parameters (every requires_grad is False): "
-                         "unfreeze at least one parameter")
-    device, rank, world = start_process_group(named, cfg)
-    params = [p for _, p in named]
+    params = [p for p in model.parameters() if p.requires_grad]
+    device, rank, world = dims.device, dims.rank, dims.world
     out = copy.deepcopy(cfg)
     if world == 1:  # nothing to exchange: the synchronous one (one round, no overlap)
         out.strategy = min(candidate_strategies(), key=lambda s: (Mode(s).rounds, Mode(s).overlap))
@@ -88,13 +84,13 @@ def choose_strategy(cfg, model: torch.nn.Module):
     except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"strategy='auto' cannot time this model's forward on a synthetic batch ({exc}): "
                          "set the strategy yourself (python -m engine.plan says which)") from exc
-    measured = probe_cluster(None, 1, None, payload=min(8 * 2**20, max(2**20, numel * 4)), repeats=2)
+    measured = probe_cluster(None, 1, None, payload=min(8 * 2**20, max(2**20, numel * 4)), repeats=2, dims=dims)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}  # e.g. BatchNorm's running stats
-    samples_per_s = time_compute(step, 1, device, repeats=2)
+    samples_per_s = time_compute(step, 1, device, dims.comm("control").group, repeats=2)
     with torch.no_grad():
         for k, v in model.named_buffers():
             v.copy_(buffers[k])
-    dtype = {"auto": params[0].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
+    dtype = resolve_compute_dtype(cfg.compute_dtype, params[0].dtype)
     ws = WireSettings(compute_bytes=torch.empty((), dtype=dtype).element_size(), group_size=cfg.group_size,
                       scale_dtype=cfg.scale_dtype, grad_dtype=cfg.grad_dtype)
     hw = (gpu(measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9 or 450.0, samples_per_s=samples_per_s)

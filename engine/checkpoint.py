@@ -107,10 +107,10 @@ class CheckpointWriter:
         encoded, buddies = None, {}
         if comm.world_size > 1:
             try:
-                owners = peers.directory_owners(sharing[0], self.device)
+                owners = peers.directory_owners(sharing[0], self.device, comm.group)
                 if len(set(owners)) > 1:  # directories per node: keep the next node's files too
                     encoded = encode(tensors, {"engine": json.dumps(meta)})  # the file's bytes: a copy
-                    buddies = peers.exchange_buddy_copies(owners, comm.rank, encoded, self.device)
+                    buddies = peers.exchange_buddy_copies(owners, comm.rank, encoded, self.device, comm.group)
             except Exception as exc:
                 raise self.watchdog.diagnose(what) from exc
         if background and encoded is None:  # the state's CPU tensors are the live ones: the thread writes a copy
@@ -136,13 +136,10 @@ class CheckpointWriter:
     def _nonce(self, what: str) -> str:
         """A name for this save that every rank shares (rank 0's), so a marker left by an earlier
         save is never taken for a peer of this one."""
-        nonce = [os.urandom(8).hex() if self.comm.rank == 0 else None]
-        if self.comm.world_size > 1:
-            try:
-                torch.distributed.broadcast_object_list(nonce, src=0)
-            except Exception as exc:
-                raise self.watchdog.diagnose(what) from exc
-        return nonce[0]
+        try:
+            return self.comm.broadcast_object(os.urandom(8).hex() if self.comm.rank == 0 else None, src=0)
+        except Exception as exc:
+            raise self.watchdog.diagnose(what) from exc
 
 
 class PendingSave:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint_peers as peers
 from .checkpoint_files import CHECKSUM_ALGO, CHECKSUMS, load_model, read_rank_state
@@ -21,6 +22,7 @@ from .checkpoint_peers import LATEST, rank_file
 from .config import STRUCTURAL_FIELDS, EngineConfig
 from .context import start_process_group, trainable_parameters
 from .loss import default_loss
+from .parallel.dims import load_group
 
 log = logging.getLogger("acco_loco")
 
@@ -95,7 +97,11 @@ def open_checkpoint(directory, model: torch.nn.Module, cfg: EngineConfig | None,
     if world == 1:
         path, scratch = directory, None
     else:
-        path, scratch = peers.gather_checkpoint(directory, rank, world, device, _lost_peer)
+        group = load_group(world, device, (cfg or EngineConfig()).timeout_s)
+        try:
+            path, scratch = peers.gather_checkpoint(directory, rank, world, device, _lost_peer, group)
+        finally:
+            dist.destroy_process_group(group)
     try:
         path = resolve(path)
         info, cfg = _read_info(path, cfg, loss_fn, max_steps)

@@ -37,11 +37,12 @@ def rank_file(rank: int, world: int) -> str:
 
 
 # ---------------------------------------------------------------------------- save: buddy copies
-def directory_owners(owner: int, device: torch.device) -> list[int]:
-    """Every rank's directory owner (the lowest rank that sees its directory), from each rank's own."""
+def directory_owners(owner: int, device: torch.device, group) -> list[int]:
+    """Every rank's directory owner (the lowest rank that sees its directory), from each rank's own
+    (``group``: the engine's control group, over every rank in rank order)."""
     mine = torch.tensor([owner], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
     return [int(t.item()) for t in every]
 
 
@@ -63,22 +64,22 @@ def buddy_of(owners: list[int], rank: int) -> int | None:
     return groups[(groups.index(owners[rank]) - 1) % len(groups)]
 
 
-def exchange_buddy_copies(owners: list[int], rank: int, payload: bytes,
-                          device: torch.device) -> dict[int, bytes]:
+def exchange_buddy_copies(owners: list[int], rank: int, payload: bytes, device: torch.device,
+                          group) -> dict[int, bytes]:
     """Send this rank's file (``payload``) to its buddy and receive the files it keeps as one:
     {source rank: bytes}. Sizes travel first in one all-gather; the files point-to-point."""
     world = len(owners)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     works, received = [], {}
     buddy = buddy_of(owners, rank)
     if buddy is not None:
         send = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-        works.append(dist.isend(send, dst=buddy, tag=rank))
+        works.append(dist.isend(send, dst=buddy, tag=rank, group=group))
     for src in buddy_sources(owners, rank):
         received[src] = torch.empty(int(sizes[src].item()), dtype=torch.uint8, device=device)
-        works.append(dist.irecv(received[src], src=src, tag=src))
+        works.append(dist.irecv(received[src], src=src, tag=src, group=group))
     for work in works:
         work.wait()
     return {src: t.cpu().numpy().tobytes() for src, t in received.items()}
@@ -158,14 +159,14 @@ def choose(inventories: list[dict], directory: str) -> tuple[str, dict[str, list
 
 
 def gather_checkpoint(directory: str | Path, rank: int, world: int, device: torch.device,
-                      diagnose) -> tuple[Path, Path | None]:
+                      diagnose, group) -> tuple[Path, Path | None]:
     """The checkpoint every rank agrees on, as a directory this rank can read: (path, scratch to
     remove after the load, or None when this rank's own files sufficed). ``diagnose(what)`` builds
     the error for a failed collective."""
     mine = inventory(directory)
     every: list = [None] * world
     try:
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=group)
     except Exception as exc:
         raise diagnose(f"listing the checkpoint files in {directory}") from exc
     name, holders, saved_world = choose(every, str(directory))
@@ -183,11 +184,11 @@ def gather_checkpoint(directory: str | Path, rank: int, world: int, device: torc
         for tag, (f, src, dst) in enumerate(plan):
             if src == rank:
                 data = torch.frombuffer(bytearray((here / f).read_bytes()), dtype=torch.uint8).to(device)
-                works.append((dist.isend(data, dst=dst, tag=tag), data))
+                works.append((dist.isend(data, dst=dst, tag=tag, group=group), data))
             elif dst == rank:
                 size = every[src]["checkpoints"][name]["files"][f]  # as the source lists it
                 received[f] = torch.empty(size, dtype=torch.uint8, device=device)
-                works.append((dist.irecv(received[f], src=src, tag=tag), received[f]))
+                works.append((dist.irecv(received[f], src=src, tag=tag, group=group), received[f]))
         for work, _ in works:
             work.wait()
     except Exception as exc:

@@ -104,16 +104,18 @@ class LinkBytes:
 
 
 class Comm:
-    """The engine's collectives over one process group (the default group, a node's group or a
-    rail). Every call is made from the one comm thread, in round order, so ranks can never
-    disagree on the order of collectives.
+    """The engine's collectives over one of its process groups (engine/parallel/dims.py: the
+    world, a node's group or a rail, each used by one thread), so ranks can never disagree on the
+    order of collectives. A collective from a second thread is refused (``owner``).
 
     ``peer_nodes[j]`` is the node of group rank j (None: every peer on another node, as the
     one-rank-per-node layout has it); it splits the bytes sent into intra- and inter-node."""
 
     def __init__(self, rank: int, world_size: int, chunks: int = 1, group=None,
-                 peer_nodes: list[int] | None = None, counter: LinkBytes | None = None):
+                 peer_nodes: list[int] | None = None, counter: LinkBytes | None = None, name: str = "world"):
         self.rank = rank
+        self.name = name  # its role (engine/parallel/dims.py ROLES), for errors
+        self.owner: int | None = None  # the thread that issues its collectives (the first to issue one)
         self.world_size = world_size
         self.chunks = chunks
         self.group = group  # None: the default group
@@ -130,6 +132,16 @@ class Comm:
         # gloo's sends the whole buffer, so there the all-to-all + local sum below is faster
         self.native_reduce_scatter = (world_size > 1 and dist.is_available() and dist.is_initialized()
                                       and dist.get_backend(group) == "nccl")
+
+    def _enter(self) -> None:
+        """A collective is about to start: it must come from the thread this group belongs to."""
+        me = threading.get_ident()
+        if self.owner is None:
+            self.owner = me
+        elif self.owner != me:
+            raise RuntimeError(f"the engine's {self.name!r} group was used from thread "
+                               f"{threading.current_thread().name!r} after another thread used it: each engine "
+                               "group belongs to one thread (engine/parallel/dims.py ROLES)")
 
     @property
     def bytes_sent(self) -> int:
@@ -151,6 +163,7 @@ class Comm:
         n = self.world_size
         if n == 1:
             return rows.clone()
+        self._enter()
         received = torch.empty_like(rows)
         bounds = _chunk_bounds(rows.shape[1], self.chunks)
         whole = len(bounds) == 1
@@ -180,6 +193,7 @@ class Comm:
         if self.world_size == 1:
             recv.copy_(send)
             return None
+        self._enter()
         self._count(send[0].numel() * send.element_size())
         return dist.all_to_all_single(recv, send, group=self.group, async_op=True)
 
@@ -189,6 +203,7 @@ class Comm:
         if self.world_size == 1:
             recv.copy_(piece.view(-1))
             return None
+        self._enter()
         self._count(piece.numel() * piece.element_size())  # N-1 pieces, as a ring sends
         return _all_gather_single(recv, piece, group=self.group, async_op=True)
 
@@ -222,6 +237,7 @@ class Comm:
             out = torch.empty(shard, dtype=torch.float32, device=full.device)
         if n == 1:
             return out.copy_(full)
+        self._enter()
         rows, bounds = full.view(n, shard), self.pieces(shard)
         if self.native_reduce_scatter:
             # the backend's own collective on fp32 values, so that the sum is fp32 as below (its
@@ -258,6 +274,7 @@ class Comm:
         n = self.world_size
         if n == 1:
             return out.copy_(shard)
+        self._enter()
         size = shard.numel()
         bounds = _chunk_bounds(size, self.chunks)
         if len(bounds) == 1:
@@ -279,6 +296,7 @@ class Comm:
     def all_reduce_sum(self, small: torch.Tensor) -> torch.Tensor:
         """In-place sum of a small vector (counts, norms, flags)."""
         if self.world_size > 1:
+            self._enter()
             dist.all_reduce(small, group=self.group)
             n, size = self.world_size, small.numel() * small.element_size()
             # a ring all-reduce sends 2 (N-1)/N of the vector; split like the other collectives
@@ -287,12 +305,37 @@ class Comm:
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            dist.broadcast(tensor, src, group=self.group)
+            self._enter()
+            dist.broadcast(tensor, self.global_rank(src), group=self.group)
         return tensor
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            self._enter()
             dist.barrier(group=self.group)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default group's rank of this group's rank ``group_rank`` (torch's point-to-point
+        and broadcast calls name ranks so)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in group rank order."""
+        if self.world_size == 1:
+            return [obj]
+        self._enter()
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Group rank ``src``'s picklable ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        self._enter()
+        box = [obj]
+        dist.broadcast_object_list(box, self.global_rank(src), group=self.group)
+        return box[0]
 
 
 # pieces of a pipelined collective start at multiples of this many values: torch's elementwise

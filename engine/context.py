@@ -1,5 +1,8 @@
-"""The round context at engine start: the trainable parameters flattened into one padded buffer,
-every replica started from rank 0's fp32 values, and the reducer and gatherer built around it."""
+"""The round context at engine start, built from explicit parts (the model, the config, the
+ParallelDims, the strategy): every replica started from rank 0's fp32 values, the parameters
+cast to the compute dtype, the trainable parameters flattened into one padded buffer (or, under
+model_sharding="node", FSDP2's local shards: engine/sharding.py), and the reducer and gatherer
+built around it."""
 
 from __future__ import annotations
 
@@ -9,16 +12,17 @@ import os
 
 import torch
 
-from acco_loco.optim import init_state
+from acco_loco.optim import OptimizerSpec, init_state
 
 from .collectives import make_collectives
 from .comm import init_process_group, resolve_chunks
 from .cpu_memory import keep_freed_memory
 from .flat import FlatParams
-from .grad_dtype import gradient_travels_uncompressed, resolve_grad_dtype
-from .layout import make_two_level_collectives
+from .grad_dtype import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
+from .parallel.dims import ParallelDims
 from .rounds import RoundContext
 from .strategies import shard_groups
+from .two_level import TwoLevelGrads, TwoLevelParams
 
 log = logging.getLogger("acco_loco")
 
@@ -64,41 +68,55 @@ def warn_shared_elastic_store() -> None:
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment")
 
 
-def build_context(engine, named: list) -> RoundContext:
+def start_values(named: list, dims: ParallelDims) -> torch.Tensor:
+    """Rank 0's trainable values in fp32, broadcast on the control group and written into every
+    rank's parameters: every replica's start and every master shard are cut from them."""
+    whole32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+    dims.comm("control").broadcast_(whole32, src=0)
+    with torch.no_grad():
+        at = 0
+        for _, p in named:
+            p.copy_(whole32[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+    return whole32
+
+
+def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, strategy,
+                  spec: OptimizerSpec) -> RoundContext:
     """``named``: the trainable (name, parameter) pairs. The strategy says which of the fp32
     values its optimizer owns (``Strategy.initial_values``: a shard, or the whole buffer)."""
-    cfg, device, comm = engine.cfg, engine.device, engine.comm
-    if cfg.model_sharding == "node":  # FSDP2 inside the node, the exchange on local shards
-        from .sharding import build_sharded_context
-
-        return build_sharded_context(engine, named)
+    whole32 = start_values(named, dims)
+    dtype = resolve_compute_dtype(cfg.compute_dtype, named[0][1].dtype)
+    node_sharded = dims.kind == "node_sharded"
+    grad_dtype = resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=node_sharded,
+                                    uncompressed=gradient_travels_uncompressed(cfg.codec, strategy.plan.local_steps > 0))
+    if cfg.compute_dtype != "auto":
+        cast_parameters(model, dtype)
     if cfg.activation_checkpointing:
         from .sharding import checkpoint_blocks
 
-        checkpoint_blocks(engine.model)
-    rank, world = comm.rank, comm.world_size
-    # fp32 values of rank 0 define every replica's start and every master shard
-    flat32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
-    dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-    if not dtype.is_floating_point:
-        raise TypeError(f"trainable parameters must be floating point, got {dtype}")
-    if cfg.compute_dtype != "auto":
-        cast_parameters(engine.model, dtype)
-    flat = FlatParams([p for _, p in named], [n for n, _ in named], world, math.lcm(cfg.align, *shard_groups(cfg)),
-                      dtype, grad_dtype=resolve_grad_dtype(
-                          cfg.grad_dtype, dtype, node_sharded=False,
-                          uncompressed=gradient_travels_uncompressed(cfg.codec, engine.plan.local_steps > 0)))
-    comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)  # pieces per collective
-    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
-    padded32[:flat32.numel()] = flat32
-    comm.broadcast_(padded32, src=0)
+        checkpoint_blocks(model)
+    if node_sharded:  # FSDP2 inside the node, the exchange on local shards
+        from .sharding import build_sharded_context
+
+        return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype)
+    comm = dims.comm("world")
+    flat = FlatParams([p for _, p in named], [n for n, _ in named], dims.world,
+                      math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_dtype=grad_dtype)
+    dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, dims.device))  # pieces per collective
+    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=dims.device)
+    padded32[:flat.numel] = whole32
     flat.data.copy_(padded32)
-    if engine.topology == "two_level":
-        grads, params = make_two_level_collectives(cfg, comm, engine.layout, flat.padded, device, dtype)
+    two_level = dims.layout if dims.kind == "two_level" else None  # the node layout, or None: flat
+    if two_level is not None:
+        # the flat reducer and gatherer built for one rail (P/G values over M ranks), wrapped by the node's level
+        g, m = two_level.ranks_per_node, two_level.nodes
+        inner_grads, inner_params = make_collectives(cfg, flat.padded // g, m, dims.device, dims.rank, dtype)
+        node, rail = dims.comm("node"), dims.comm("rail")
+        grads = TwoLevelGrads(inner_grads, node, rail, two_level)
+        params = TwoLevelParams(inner_params, node, rail, two_level)
     else:
-        grads, params = make_collectives(cfg, flat.padded, world, device, rank, dtype)
-    two_level = engine.layout if engine.topology == "two_level" else None  # the node layout, or None: flat
-    owned = engine.strategy.initial_values(flat, padded32, rank, two_level)
-    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec,
-                        shard_state=init_state(owned, engine.spec), grads=grads,
-                        params=params, gather_buf=flat.data.clone())  # what every replica holds
+        grads, params = make_collectives(cfg, flat.padded, dims.world, dims.device, dims.rank, dtype)
+    owned = strategy.initial_values(flat, padded32, dims.rank, two_level)
+    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=spec, shard_state=init_state(owned, spec), grads=grads,
+                        params=params, gather_buf=flat.data.clone(), dims=dims)  # what every replica holds

@@ -24,13 +24,13 @@ from .batching import Accumulation
 from .checkpoint import CheckpointWriter
 from .checkpoint_periodic import PeriodicSaver
 from .clock import make_clock
-from .comm import Comm, default_store
+from .comm import default_store
 from .config import EngineConfig
 from .context import build_context, start_process_group, trainable_parameters
 from .dealing import deal
-from .layout import choose_topology
 from .loops.parts import LoopParts
 from .loss import LossFn, batch_size, checked_loss, default_loss
+from .parallel.dims import ParallelDims
 from .placement import Placement
 from .progress import progress_bar
 from .reshard import recut
@@ -41,7 +41,6 @@ from .strategies import make_strategy
 from .streams import CommWorker
 from .training_state import gather_state, restore_state
 from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
-
 
 _END = object()
 
@@ -55,22 +54,21 @@ class Engine:
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
         cfg.validate()
-        cfg, self.auto_choice = choose_strategy(cfg, model)  # strategy="auto": the planner chooses (engine/auto.py)
-        self.cfg, self.model, self.loss_fn = cfg, model, loss_fn or default_loss
-        self.strategy = make_strategy(cfg)
-        self.plan = self.strategy.plan
-        self.spec = cfg.optimizer_spec()
-
         named = trainable_parameters(model)
         device, rank, world = start_process_group(named, cfg)
-        self.layout, self.topology = choose_topology(cfg, self.strategy, rank, world, device)
-        check_agreement(model, cfg, rank, world, device)  # before any collective that depends on sizes
-        self.comm = Comm(rank, world, peer_nodes=[self.layout.node_of(r) for r in range(world)])
+        dims = ParallelDims.start(rank, world, device, cfg.ranks_per_node, cfg.topology, cfg.timeout_s)
+        check_agreement(model, cfg, dims.comm("control"), device)  # before any collective that depends on sizes
+        cfg, self.auto_choice = choose_strategy(cfg, model, dims)  # strategy="auto": the planner chooses (engine/auto.py)
+        self.cfg, self.model, self.loss_fn = cfg, model, loss_fn or default_loss
+        self.strategy = make_strategy(cfg)
+        self.plan, self.spec = self.strategy.plan, cfg.optimizer_spec()
+        self.dims = dims.decide(cfg, self.strategy)  # flat, two-level or node-sharded
+        self.comm = self.dims.comm("world")  # the comm thread's: the rounds
         self.device = device
         self.placement = Placement(device)  # every micro-batch goes to the model's device
         self.clock = make_clock(device)  # micro-batch times: CUDA events on a GPU
 
-        self.ctx = build_context(self, named)
+        self.ctx = build_context(model, named, cfg, self.dims, self.strategy, self.spec)
         self.flat = self.ctx.flat
         self.strategy.setup(self.ctx)
         self.worker = CommWorker(device, cfg.timeout_s)
@@ -80,12 +78,12 @@ class Engine:
         self.state = EngineState()  # counters and the pending accumulator: saved by save()
         self.state.start_accumulator(device)
         # history, round counts, timeline, comm CPU, the loop's end: not saved (engine/run_state.py)
-        self.run = RunState(rank, self.comm.counter, cfg.record_timeline, cfg.max_steps)
+        self.run = RunState(rank, self.dims.counter, cfg.record_timeline, cfg.max_steps)
         # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
         # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
         self.accumulation = Accumulation(cfg, self.plan, rank, world, paced=device.type == "cpu" and self.plan.overlap,
-                                         lockstep=self.layout.ranks_per_node if cfg.model_sharding == "node" else 1)
-        writer = CheckpointWriter(self.comm, device, self.watchdog, model, cfg, self.loss_fn,
+                                         lockstep=self.dims.layout.ranks_per_node if cfg.model_sharding == "node" else 1)
+        writer = CheckpointWriter(self.dims.comm("control"), device, self.watchdog, model, cfg, self.loss_fn,
                                   self.state_dict, self.state)
         self.saver = PeriodicSaver(writer, cfg)  # save(), and checkpoint_every(_s) (engine/checkpoint_periodic.py)
         self.parts = LoopParts(cfg=cfg, ctx=self.ctx, strategy=self.strategy, worker=self.worker,
@@ -101,6 +99,8 @@ class Engine:
     consumed = property(lambda self: self.state.consumed, doc="micro-batches taken from this worker's data")
     shard_state = property(lambda self: self.ctx.shard_state, doc="this worker's fp32 master shard and moments")
     grads = property(lambda self: self.ctx.grads, doc="the gradient reducer (.feedback: a compressed one's error state)")
+    layout = property(lambda self: self.dims.layout, doc="M nodes x G ranks, and this rank's place in them")
+    topology = property(lambda self: self.dims.kind, doc="the exchange: 'flat', 'two_level' or 'node_sharded'")
     rank = property(lambda self: self.comm.rank)
     world_size = property(lambda self: self.comm.world_size)
     history = property(lambda self: self.run.history, doc="one dict per committed step (StepResult's fields)")
@@ -241,7 +241,7 @@ class Engine:
                                                       partial(recut, engine.ctx, engine.plan, engine.topology)))
             except Exception as exc:  # any rank's failure stops every rank here, not in its first round
                 error = exc
-            checkpoint_load.agree_loaded(engine.comm, engine.device, engine.watchdog, opened.path, error,
+            checkpoint_load.agree_loaded(engine.dims.comm("control"), engine.device, engine.watchdog, opened.path, error,
                                          engine.close)
             return engine
         finally:

@@ -28,6 +28,18 @@ GRAD_DTYPE_NODE_REFUSED = (
     "(compute_dtype='float32')")
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # compute_dtype's named settings
+
+
+def resolve_compute_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The parameters' dtype in training for ``compute_dtype`` ('auto': the model's own);
+    refused unless floating point."""
+    dtype = model_dtype if setting == "auto" else COMPUTE_DTYPES[setting]
+    if not dtype.is_floating_point:
+        raise TypeError(f"trainable parameters must be floating point, got {dtype}")
+    return dtype
+
+
 def grad_buffers_fp32(setting: str, compute_fp32: bool, node_sharded: bool, uncompressed: bool) -> bool:
     """The rule, on dtypes' names only (the planner's WireSettings asks it too): whether the
     gradient buffers are fp32. Raises for 'float32' under node sharding with non-fp32 params."""

@@ -181,7 +181,7 @@ def recut_rails(ctx: RoundContext, plan: RoundPlan, old: list[tuple[dict, dict]]
     chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
     ``recut`` (the flat rules above, M ranks for N). The ranks per node must stay: the local
     buffers are cut by them."""
-    meta0, layout = old[0][1], getattr(ctx.flat, "layout", None)
+    meta0, layout = old[0][1], ctx.dims.layout
     saved, here = meta0.get("model_sharding", "none"), ctx.cfg.model_sharding
     if saved != here:
         raise ReshardError(f"{where} was written with model_sharding={saved!r} and this run has {here!r}: resume "

@@ -17,6 +17,7 @@ from .flat import FlatParams
 
 if TYPE_CHECKING:  # the config imports the strategies' registry; a round needs only its fields
     from .config import EngineConfig
+    from .parallel.dims import ParallelDims
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -109,3 +110,4 @@ class RoundContext:
     grads: GradReducer
     params: ParamGatherer
     gather_buf: torch.Tensor  # the full parameters every replica holds after the last round
+    dims: ParallelDims | None = None  # the layout and the engine's groups (None: a round built by hand)

@@ -16,12 +16,12 @@ the reducers and gatherers of engine/collectives.py), rank (m, l) owning chunk m
 and moments hold 1/(G x M) of the model. The new local buffer is written into FSDP2's local
 shards by the compute side at the round boundary (``LocalShards.install``).
 
-Threads and process groups (the rule, CPU/gloo): a process group is used by one thread only.
-FSDP2's node group (the mesh's "local" group) by the compute thread, which issues every FSDP2
-collective; the rail group, the world group and a second node group of the comm side's own (two
-small all-reduces per round: the node's micro-batch count, the new shards' finiteness) by the
-comm thread. So the compute side's node collectives run beside the comm side's rail collectives
-without ever sharing a group.
+Threads and process groups (engine/parallel/dims.py): a process group is used by one thread only.
+FSDP2's node group (the mesh's "local" group, role "node.compute") by the compute thread, which
+issues every FSDP2 collective; the rail group, the world group and a node group of the comm
+side's own (two small all-reduces per round: the node's micro-batch count, the new shards'
+finiteness) by the comm thread. So the compute side's node collectives run beside the comm
+side's rail collectives without ever sharing a group.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
-from .comm import Comm, backend_for, resolve_chunks
+from acco_loco.optim import OptimizerSpec, init_state
+
 from .collectives import make_collectives
+from .comm import resolve_chunks
 from .flat import LocalShards
-from .grad_dtype import resolve_grad_dtype
+from .parallel.dims import ParallelDims
 from .rounds import RoundContext
 from .strategies import shard_groups
-from .topology import Layout
 from .two_level import ShardGrads, ShardParams
 
 log = logging.getLogger("acco_loco")
@@ -114,55 +114,15 @@ def local_rows(full: torch.Tensor, g: int, local: int) -> torch.Tensor:
     return chunks[local] if local < len(chunks) else full[full.shape[0]:]
 
 
-def sharding_groups(layout: Layout, device_type: str):
-    """(the node x local DeviceMesh FSDP2 shards over, the comm side's node group, the rail group),
-    every group made anew (every rank creates every group, in one order, as new_group requires).
-    init_device_mesh would hand a dimension that spans the world (one node) the default group,
-    which the comm thread uses for its small all-reduce: FSDP2's node group must be its own."""
-    from torch.distributed.device_mesh import DeviceMesh
-
+def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Tensor, cfg, dims: ParallelDims,
+                          strategy, spec: OptimizerSpec, dtype: torch.dtype) -> RoundContext:
+    """The round context of a node-sharded run (engine/context.py ``build_context`` has started
+    every replica from rank 0's values and cast them): the model sharded with FSDP2 over the
+    compute thread's node group, the local buffer and the rail's reducer and gatherer around it."""
+    layout, device = dims.layout, dims.device
     m, g = layout.nodes, layout.ranks_per_node
-    if not dist.is_initialized():  # one process (no launcher): FSDP2 and DeviceMesh need a group all the same
-        dist.init_process_group(backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1)
-
-    def mine(groups: list[list[int]]):
-        made = [dist.new_group(ranks) for ranks in groups]
-        return next(grp for ranks, grp in zip(groups, made) if dist.get_rank() in ranks)
-
-    nodes = [list(range(node * g, (node + 1) * g)) for node in range(m)]
-    fsdp_node, comm_node = mine(nodes), mine(nodes)
-    rail = mine([list(range(local, m * g, g)) for local in range(g)])
-    mesh = DeviceMesh.from_group([rail, fsdp_node], device_type, mesh=torch.arange(m * g).view(m, g),
-                                 mesh_dim_names=("node", "local"))
-    return mesh, comm_node, rail
-
-
-def build_sharded_context(engine, named: list) -> RoundContext:
-    """The round context of a node-sharded run: rank 0's values broadcast, the model sharded
-    with FSDP2, the local buffer and the rail's reducer and gatherer around it."""
-    cfg, device, comm, layout, model = engine.cfg, engine.device, engine.comm, engine.layout, engine.model
-    cfg.check_model_sharding()  # the strategy "auto" has resolved by now
-    engine.topology = "node_sharded"  # what checkpoints record: engine/reshard.py re-cuts it by rails
-    m, g = layout.nodes, layout.ranks_per_node
-    # every replica starts from rank 0's fp32 values, cut from the whole parameters before sharding
-    whole32 = torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
-    comm.broadcast_(whole32, src=0)
-    with torch.no_grad():
-        at = 0
-        for _, p in named:
-            p.copy_(whole32[at:at + p.numel()].view(p.shape))
-            at += p.numel()
-    dtype = {"auto": named[0][1].dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-    if not dtype.is_floating_point:
-        raise TypeError(f"trainable parameters must be floating point, got {dtype}")
-    resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=True)  # refuses fp32 gradients of bf16 shards
-    if cfg.compute_dtype != "auto":
-        model.to(dtype)
-    if cfg.activation_checkpointing:
-        checkpoint_blocks(model)
-    mesh, comm_node, rail_group = sharding_groups(layout, device.type)
-    blocks = shard_model(model, mesh["local"])
-    if comm.rank == 0:
+    blocks = shard_model(model, dims.fsdp_mesh()["local"])
+    if dims.rank == 0:
         log.info("model_sharding node: FSDP2 over %d ranks per node (%s), the exchange over %d nodes on the "
                  "local shards", g, f"{blocks} blocks + root" if blocks else "the root as one unit", m)
     sharded = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -180,20 +140,17 @@ def build_sharded_context(engine, named: list) -> RoundContext:
     # without overlap the round's gradient buffer is free once reduced: the new parameters are
     # gathered into it (one buffer of the local shards' size for both); with overlap compute
     # accumulates into a second one meanwhile, and the gather has a buffer of its own
-    one = not engine.plan.overlap
+    one = not strategy.plan.overlap
     flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
                        math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2)
-    flat.layout = layout  # checkpoints record the ranks per node that cut it
-    comm.chunks = resolve_chunks(cfg.comm_chunks, flat.shard_size, device)
+    dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, device))
     padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
     torch.cat(local32, out=padded32[:flat.numel])
-    node = Comm(layout.local, g, comm.chunks, group=comm_node, peer_nodes=[0] * g, counter=comm.counter)
-    rail = Comm(layout.node, m, comm.chunks, group=rail_group, peer_nodes=list(range(m)), counter=comm.counter)
-    inner_grads, inner_params = make_collectives(cfg, flat.padded, m, device, comm.rank, dtype)
-    owned = engine.strategy.initial_values(flat, padded32, layout.node, None)  # chunk m of the rail's buffer
-    from acco_loco.optim import init_state
-
-    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=engine.spec, shard_state=init_state(owned, engine.spec),
-                        grads=ShardGrads(inner_grads, node, rail, layout),
+    node, rail = dims.comm("node"), dims.comm("rail")
+    inner_grads, inner_params = make_collectives(cfg, flat.padded, m, device, dims.rank, dtype)
+    owned = strategy.initial_values(flat, padded32, layout.node, None)  # chunk m of the rail's buffer
+    return RoundContext(cfg=cfg, comm=dims.comm("world"), flat=flat, spec=spec,
+                        shard_state=init_state(owned, spec), grads=ShardGrads(inner_grads, node, rail, layout),
                         params=ShardParams(inner_params, node, rail, layout, refresh=flat.read_into if one else None),
-                        gather_buf=flat.grads[0] if one else flat.read_into(torch.empty_like(flat.grads[0])))
+                        gather_buf=flat.grads[0] if one else flat.read_into(torch.empty_like(flat.grads[0])),
+                        dims=dims)

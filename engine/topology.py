@@ -67,14 +67,15 @@ def ranks_per_node(configured: int | None) -> int:
     return 1 if g is None else g
 
 
-def check_node_layout(g: int, rank: int, world: int, device: torch.device) -> None:
+def check_node_layout(g: int, rank: int, world: int, device: torch.device, group=None) -> None:
     """Every rank must see the same G and sit where rank = node * G + local says; raise on every
-    rank otherwise (one all_gather of four integers at start, before anything else can hang)."""
+    rank otherwise (one all_gather of four integers on ``group``, the world's, at start, before
+    anything else can hang)."""
     local_env, node_env = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
     mine = torch.tensor([g, rank, -1 if local_env is None else local_env, -1 if node_env is None else node_env],
                         dtype=torch.int64, device=device)
     seen = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(seen, mine)
+    dist.all_gather(seen, mine, group=group)
     table = [[int(v) for v in t.cpu()] for t in seen]
     for r, (g_r, _, _, _) in enumerate(table):
         if g_r != g:
@@ -117,33 +118,3 @@ def exchange_for(topology: str, layout: Layout) -> str:
             f"node(s) x {layout.ranks_per_node} rank(s) (ranks_per_node / LOCAL_WORLD_SIZE): use "
             "topology='flat' or 'auto'")
     return topology
-
-
-@dataclass
-class TwoLevelGroups:
-    """The node group (this node's G ranks) and the rail (this local index on every node)."""
-
-    node_group: object
-    rail_group: object
-    mesh: object
-
-
-def build_groups(layout: Layout, device: torch.device, timeout_s: float | None = None) -> TwoLevelGroups:
-    """The 2-D DeviceMesh (node x local) and its two groups; every rank must call this. With
-    ``timeout_s`` (EngineConfig.timeout_s) both groups time out as the default group does
-    (engine/comm.py ``group_timeout_s``), not at torch's default for new groups."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    override = None
-    if timeout_s is not None:
-        from datetime import timedelta
-
-        from .comm import backend_for, group_timeout_s
-
-        backend = backend_for(device)
-        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=group_timeout_s(backend, timeout_s))
-        override = {"node": (backend, options), "local": (backend, options)}
-    mesh = init_device_mesh(device.type, (layout.nodes, layout.ranks_per_node), mesh_dim_names=("node", "local"),
-                            backend_override=override)
-    return TwoLevelGroups(node_group=mesh.get_group("local"), rail_group=mesh.get_group("node"), mesh=mesh)

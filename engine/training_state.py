@@ -40,7 +40,7 @@ def gather_state(ctx: RoundContext, strategy, counters: EngineState, accumulatio
             "opt_step": opt_meta["step"], "shard_size": flat.shard_size, "numel": flat.numel,
             "accumulation": accumulation.state_dict(), **strategy_meta}
     if ctx.cfg.model_sharding != "none":  # the state is cut by the node's ranks: engine/sharding.py
-        meta.update(model_sharding=ctx.cfg.model_sharding, ranks_per_node=flat.layout.ranks_per_node)
+        meta.update(model_sharding=ctx.cfg.model_sharding, ranks_per_node=ctx.dims.layout.ranks_per_node)
     return tensors, meta
 
 
@@ -74,8 +74,7 @@ def check_sharding(ctx: RoundContext, meta: dict, where: str) -> None:
     """A node-sharded rank's state is a chunk of its local shards' buffer, cut by the ranks per
     node: it resumes only as a node-sharded run with the same ranks per node."""
     saved = meta.get("model_sharding", "none"), meta.get("ranks_per_node")
-    layout = getattr(ctx.flat, "layout", None)
-    here = ctx.cfg.model_sharding, None if layout is None else layout.ranks_per_node
+    here = ctx.cfg.model_sharding, None if ctx.cfg.model_sharding == "none" else ctx.dims.layout.ranks_per_node
     if saved[0] == here[0] == "none":
         return
     if saved[0] != here[0]:

@@ -14,8 +14,9 @@ Over the current process group (gloo or NCCL; initialised from the launcher's en
 - **compute**: a few forward + backward passes of the model (or a caller's closure), after one
   untimed warm-up, medians, as samples/s per worker.
 
-The layout comes from the launcher (LOCAL_WORLD_SIZE, as torchrun sets it); with one rank per
-node (G = 1, the CPU testbed) the default group is the one rail. Every rank gets the same
+The layout comes from the launcher (LOCAL_WORLD_SIZE, as torchrun sets it) and the groups from
+engine/parallel/dims.py (the compute thread's); with one rank per node (G = 1, the CPU testbed)
+the world is the one rail. Every rank gets the same
 figures (the slowest rank's times, all-reduced with MAX)."""
 
 from __future__ import annotations
@@ -69,38 +70,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest(seconds: float, device) -> float:
+def _slowest(seconds: float, device, world_group) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
     return float(t.item())
 
 
-def layout_from_env(world: int) -> tuple[int, int]:
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if per_node < 1 or world % per_node:
-        raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}: "
-                         "every node must run the same number of ranks")
-    return world // per_node, per_node
+def probe_groups(dims):
+    """(world, rail, node) groups of the probe: the engine's compute-thread groups
+    (engine/parallel/dims.py); with one rank per node the world is the one rail."""
+    world = dims.comm("control").group
+    if dims.layout.ranks_per_node == 1:
+        return world, world, None
+    return world, dims.comm("rail.compute").group, dims.comm("node.compute").group
 
 
-def _groups(nodes: int, per_node: int):
-    """(this rank's rail group, this rank's node group); every rank creates every group, in order."""
-    rank = dist.get_rank()
-    rail = node = None
-    if per_node == 1:
-        return None, None  # the default group is the one rail
-    for local in range(per_node):
-        g = dist.new_group([n * per_node + local for n in range(nodes)])
-        if rank % per_node == local:
-            rail = g
-    for n in range(nodes):
-        g = dist.new_group(list(range(n * per_node, (n + 1) * per_node)))
-        if rank // per_node == n:
-            node = g
-    return rail, node
-
-
-def _timed(run: Callable[[], None], group, device, repeats: int) -> float:
+def _timed(run: Callable[[], None], group, world_group, device, repeats: int) -> float:
     """Median seconds of ``run`` (a collective of ``group``) over ``repeats``, after one that
     warms the connections up; the slowest rank's figure."""
     times = []
@@ -112,7 +97,7 @@ def _timed(run: Callable[[], None], group, device, repeats: int) -> float:
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
-    return _slowest(statistics.median(times), device)
+    return _slowest(statistics.median(times), device, world_group)
 
 
 def _pieces(device) -> int:
@@ -131,27 +116,27 @@ def _in_pieces(issue: Callable[[int, bool], object], pieces: int) -> Callable[[]
     return run
 
 
-def time_all_to_all(payload: int, group, size: int, device, repeats: int = 3) -> tuple[float, int]:
+def time_all_to_all(payload: int, group, size: int, device, world_group, repeats: int = 3) -> tuple[float, int]:
     """(seconds, bytes per rank) of ~``payload`` bytes per rank all-to-all, in the engine's pieces."""
     pieces = _pieces(device)
     per = max(1, payload // (size * pieces)) * size
     send = torch.zeros(pieces, per, dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     return _timed(_in_pieces(lambda i, a: dist.all_to_all_single(recv[i], send[i], group=group, async_op=a),
-                             pieces), group, device, repeats), send.numel()
+                             pieces), group, world_group, device, repeats), send.numel()
 
 
-def time_all_gather(payload: int, group, size: int, device, repeats: int = 3) -> tuple[float, int]:
+def time_all_gather(payload: int, group, size: int, device, world_group, repeats: int = 3) -> tuple[float, int]:
     """(seconds, bytes gathered per rank) of an all-gather of ~``payload`` bytes, in the engine's pieces."""
     pieces = _pieces(device)
     per = max(1, payload // (size * pieces))
     piece = torch.zeros(pieces, per, dtype=torch.uint8, device=device)
     out = torch.empty(pieces, per * size, dtype=torch.uint8, device=device)
     return _timed(_in_pieces(lambda i, a: dist.all_gather_into_tensor(out[i], piece[i], group=group, async_op=a),
-                             pieces), group, device, repeats), out.numel()
+                             pieces), group, world_group, device, repeats), out.numel()
 
 
-def time_compute(step: Callable[[], None], samples: int, device, repeats: int = 3) -> float:
+def time_compute(step: Callable[[], None], samples: int, device, world_group=None, repeats: int = 3) -> float:
     """samples/s of ``step`` (one forward + backward of ``samples`` samples), median of repeats."""
     step()  # warm-up: allocations, lazy init
     times = []
@@ -161,7 +146,7 @@ def time_compute(step: Callable[[], None], samples: int, device, repeats: int = 
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return samples / _slowest(statistics.median(times), device)
+    return samples / _slowest(statistics.median(times), device, world_group)
 
 
 def model_step(model: torch.nn.Module, samples: int, seq_len: int | None = None) -> Callable[[], None]:
@@ -198,23 +183,26 @@ def model_step(model: torch.nn.Module, samples: int, seq_len: int | None = None)
 
 
 def probe_cluster(shape=None, micro_batch: int = 1, model: torch.nn.Module | None = None,
-                  payload: int = 8 * 2**20, repeats: int = 3) -> Measured:
+                  payload: int = 8 * 2**20, repeats: int = 3, dims=None) -> Measured:
     """Measure the node links, the intra-node links and (with ``model``, or a transformers model
-    built from ``shape`` when it is small enough to build here) the compute rate."""
-    _ensure_group()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = _device()
-    nodes, per_node = layout_from_env(world)
-    rail, node = _groups(nodes, per_node)
+    built from ``shape`` when it is small enough to build here) the compute rate, over ``dims``'
+    groups (an engine's ParallelDims; None: made here from the launcher's environment)."""
+    if dims is None:
+        from ..parallel.dims import ParallelDims
+
+        _ensure_group()
+        dims = ParallelDims.start(dist.get_rank(), dist.get_world_size(), _device())
+    nodes, per_node, device = dims.layout.nodes, dims.layout.ranks_per_node, dims.device
+    world_group, rail, node = probe_groups(dims)
     inter = intra = 0.0
     if nodes > 1:
-        t, sent = time_all_to_all(payload, rail, nodes, device, repeats)
+        t, sent = time_all_to_all(payload, rail, nodes, device, world_group, repeats)
         inter = per_node * (nodes - 1) / nodes * sent / t
     if per_node > 1:
-        t, gathered = time_all_gather(payload, node, per_node, device, repeats)
+        t, gathered = time_all_gather(payload, node, per_node, device, world_group, repeats)
         intra = (per_node - 1) / per_node * gathered / t
     rate = 0.0
     if model is not None:
         rate = time_compute(model_step(model, micro_batch, getattr(shape, "seq_len", None)), micro_batch,
-                            device, repeats)
-    return Measured(nodes, per_node, inter, intra, rate, rank)
+                            device, world_group, repeats)
+    return Measured(nodes, per_node, inter, intra, rate, dims.rank)

@@ -157,7 +157,7 @@ class LocalStepStrategy(Strategy):
                              f"multiple of {world}")
         master = ctx.shard_state.master
         if self.layout is not None:  # every rank of every node, in this order: its groups
-            self.replica = NodeReplica(self.layout, ctx.comm, master.device, ctx.cfg.timeout_s)
+            self.replica = NodeReplica(ctx.dims)
         owned = ctx.flat.padded // (1 if self.layout is None else self.layout.ranks_per_node)
         if master.numel() != owned:
             raise RuntimeError(f"{self.name} needs the inner optimizer state of {owned} values (the whole "

@@ -10,9 +10,9 @@ the ranks of the same local rank on the other nodes (its rail), and theta_sync, 
 and sparseloco's error live on that slice. A rank's slice is the shards (m, l) of every node m,
 the layout the sharded strategies' two-level exchange uses (engine/two_level.py ``slice_of``).
 
-Two sets of groups: the inner steps run on the compute thread, the outer round on the comm
-thread, and a process group must not be used from two threads at once (outer_overlap runs
-both at the same time).
+Two sets of groups (engine/parallel/dims.py): the inner steps run on the compute thread (role
+"node.compute"), the outer round on the comm thread ("node", "rail"), and a process group must
+not be used from two threads at once (outer_overlap runs both at the same time).
 
 Under NCCL the two threads' collectives also run over the same GPUs on different communicators,
 and NCCL asks that such collectives either never be in flight together or be launched in the
@@ -35,32 +35,22 @@ import torch
 import torch.distributed as dist
 
 from .. import host
-from ..comm import Comm
 from ..host import nonfinite_flag, small_vector, to_host
-from ..topology import Layout, build_groups
 from ..two_level import gather_slices, slice_of
 
 
 class NodeReplica:
     EPOCHS: bool | None = None  # the default of ``epochs`` (None: under NCCL only)
 
-    def __init__(self, layout: Layout, comm: Comm, device: torch.device, timeout_s: float | None = None,
-                 epochs: bool | None = None):
-        g, m = layout.ranks_per_node, layout.nodes
-        self.layout = layout
+    def __init__(self, dims, epochs: bool | None = None):
+        self.layout = dims.layout
         # None: epochs under NCCL only (EPOCHS: tests force them on over gloo)
         epochs = self.EPOCHS if epochs is None else epochs
         self.epochs = dist.get_backend() == "nccl" if epochs is None else epochs
         self._idle = threading.Event()  # set: no outer round in flight
         self._idle.set()
-        # every rank, this order
-        inner, outer = build_groups(layout, device, timeout_s), build_groups(layout, device, timeout_s)
-        self.inner_node = Comm(layout.local, g, comm.chunks, group=inner.node_group, peer_nodes=[0] * g,
-                               counter=comm.counter)
-        self.outer_node = Comm(layout.local, g, comm.chunks, group=outer.node_group, peer_nodes=[0] * g,
-                               counter=comm.counter)
-        self.rail = Comm(layout.node, m, comm.chunks, group=outer.rail_group, peer_nodes=list(range(m)),
-                         counter=comm.counter)
+        self.inner_node = dims.comm("node.compute")  # the compute thread's
+        self.outer_node, self.rail = dims.comm("node"), dims.comm("rail")  # the comm thread's
 
     # ------------------------------------------------------------------ epochs
     def round_submitted(self) -> None:

@@ -141,31 +141,23 @@ def test_the_recipe_hands_the_backstop_to_accelerate(monkeypatch, tmp_path):
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
-@pytest.mark.parametrize("device,backend,want", [("cuda", "nccl", 2 * 30 + 60), ("cpu", "gloo", 30)])
-def test_two_level_groups_time_out_with_the_engine(device, backend, want, monkeypatch):
-    """The node and rail groups get the default group's timeout for timeout_s, not torch's
-    default for new groups (10 or 30 minutes)."""
-    from torch.distributed import device_mesh
+@pytest.mark.parametrize("device,want", [("cuda", 2 * 30 + 60), ("cpu", 30)])
+def test_every_engine_group_times_out_with_the_engine(device, want, monkeypatch):
+    """Every group ParallelDims makes (the world's, each node's, each rail's) gets the default
+    group's timeout for timeout_s, not torch's default for new groups (10 or 30 minutes)."""
+    from engine.parallel import dims as dims_module
+    from engine.topology import Layout
 
-    from engine import topology
-
-    seen = {}
-
-    class Options:
-        _timeout = None
-    if not hasattr(comm.dist, "ProcessGroupNCCL"):  # a CPU-only build
-        monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False)
-    monkeypatch.setattr(device_mesh, "init_device_mesh",
-                        lambda kind, shape, **kw: seen.update(kind=kind, **kw) or FakeMesh())
-    topology.build_groups(topology.Layout(2, 2, 0, 1), torch.device(device), timeout_s=30.0)
-    assert seen["kind"] == device and set(seen["backend_override"]) == {"node", "local"}
-    for name, opts in seen["backend_override"].values():
-        assert name == backend and opts._timeout == timedelta(seconds=want)
-
-
-class FakeMesh:
-    def get_group(self, name):
-        return name
+    made = []
+    monkeypatch.setattr(dims_module.dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or tuple(ranks))
+    monkeypatch.setattr(dims_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dims_module.dist, "get_backend", lambda group=None: "gloo")
+    dims = dims_module.ParallelDims(Layout(2, 2, 0, 1), "two_level", 1, 4, torch.device(device), timeout_s=30.0)
+    assert dims.comm("node").group == (0, 1) and dims.comm("rail").group == (1, 3)
+    assert dims.comm("world").group == (0, 1, 2, 3)
+    # every rank makes every node's and every rail's group, in one order
+    assert [r for r, _ in made] == [[0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3]]
+    assert all(kw["timeout"] == timedelta(seconds=want) for _, kw in made)
 
 
 def test_the_comm_stream_has_high_priority(monkeypatch):

@@ -17,7 +17,8 @@ from engine import Engine, EngineConfig
 from engine.comm import Comm, LinkBytes
 from engine.collectives import CompressedGrads
 from engine.local_group import spawn
-from engine.topology import Layout, build_groups
+from engine.parallel.dims import ParallelDims
+from engine.topology import Layout
 from engine.two_level import TwoLevelGrads
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
@@ -82,10 +83,9 @@ def _reduce(rank: int, world: int, m: int, g: int):
 
     dist.init_process_group("gloo")
     layout = Layout(nodes=m, ranks_per_node=g, node=rank // g, local=rank % g)
-    groups = build_groups(layout, torch.device("cpu"))
-    counter = LinkBytes()
-    node = Comm(layout.local, g, group=groups.node_group, peer_nodes=[0] * g, counter=counter)
-    rail = Comm(layout.node, m, group=groups.rail_group, peer_nodes=list(range(m)), counter=counter)
+    dims = ParallelDims(layout, "two_level", rank, world, torch.device("cpu"))
+    counter = dims.counter
+    node, rail = dims.comm("node"), dims.comm("rail")
     inner = CompressedGrads(GradCodecSpec("none", "int4"), NUMEL // g, m, GROUP, "float32", 0.8, 1024, "fp32",
                             torch.device("cpu"), stochastic=False, seed=0)
     out = TwoLevelGrads(inner, node, rail, layout).reduce(None, _full(rank), count=rank + 1).sum

@@ -1,0 +1,1 @@
+"""Where the ranks sit and the engine's process groups (ParallelDims)."""
