@@ -47,20 +47,6 @@ class RoundPlan:
         return len(self.kinds)
 
 
-PLANS: dict[str, RoundPlan] = {
-    "zero1": RoundPlan("zero1", overlap=False, kinds=(RoundKind.COMMIT,)),
-    "dpu": RoundPlan("dpu", overlap=True, kinds=(RoundKind.COMMIT,)),
-    "acco": RoundPlan("acco", overlap=True, kinds=(RoundKind.ESTIMATE, RoundKind.COMMIT)),
-}
-
-
-def plan_for(strategy: str) -> RoundPlan:
-    try:
-        return PLANS[strategy]
-    except KeyError:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {sorted(PLANS)}") from None
-
-
 @dataclass
 class KeptHalf:
     """The reduced estimate-round gradient an owner keeps for the commit round (ACCO)."""

@@ -93,6 +93,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.worker import user_barrier  # noqa: E402
+
 MODES = {
     "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
     "acco+loco4+int8params": dict(strategy="acco", codec="loco4", param_codec="int8"),  # the recipe's named default
@@ -158,10 +160,10 @@ def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: boo
     """One rank's figures for one mode: warm up, then the measured rounds (spawned per rank)."""
     import pstats
 
-    from acco_loco.acco import PLANS
+    from engine.strategies import strategy_class
 
     args = argparse.Namespace(**args_d)
-    per_step = PLANS[mode_kwargs["strategy"]].rounds_per_step
+    per_step = strategy_class(mode_kwargs["strategy"]).plan.rounds_per_step
     warm_steps, steps = max(1, args.warmup // per_step), max(1, args.rounds // per_step)
     engine, it = _build_engine(args, rank, world, mode_kwargs, warm_steps + steps)
     prof = _profile_comm_thread(engine) if profile and rank == 0 else None
@@ -169,7 +171,7 @@ def measure(rank: int, world: int, args_d: dict, mode_kwargs: dict, profile: boo
     if prof is not None:
         prof.disable()
         prof = _profile_comm_thread(engine)  # count the measured rounds only
-    engine.comm.barrier()
+    user_barrier()  # the default group (the user's): each engine group belongs to one engine thread
     first_round, first_cpu = engine.round_index, len(engine.comm_cpu_s)
     bytes0, cpu0, t0 = engine.comm.bytes_sent, _thread_cpu(), time.perf_counter()
     engine.fit(it, steps=steps)

@@ -412,6 +412,12 @@ def strategy_facts(engine) -> dict:
     return {} if frozen is None else {"frozen_step": frozen}
 
 
+def user_barrier() -> None:
+    """A barrier on the default process group (the user's), where one exists."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from acco_loco.acco import RoundKind
     from engine import Engine
@@ -420,7 +426,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
     tok, stream, held = build_data(spec, rank, world)
     model = build_model(spec, len(tok))
     engine = Engine(model, engine_config(spec), loss_fn=hf_lm_loss)
-    engine.comm.barrier()
+    user_barrier()  # the default group (the user's): each engine group belongs to one engine thread
     tx0, t0, cpu0 = tx_bytes(), time.perf_counter(), thread_cpu_seconds()
     bytes0 = engine.comm.bytes_sent
     snaps = Snapshots(spec["eval_points"], t0)
@@ -435,7 +441,7 @@ def run_engine(spec: dict, rank: int, world: int, t_init: float) -> dict:
         last_kind = engine.plan.kind(engine.round_index - 1)
         if last_kind is RoundKind.COMMIT and len(engine.history) > budget.seen:
             budget.catch_up(force=True)
-        engine.comm.barrier()
+        user_barrier()  # the default group (the user's): each engine group belongs to one engine thread
     finally:
         engine.close()
     evals = snaps.evaluate(model, held, rank, world)

@@ -238,7 +238,7 @@ class Engine:
             error: Exception | None = None
             try:
                 engine.load_state_dict(*opened.rank_state(engine.rank, engine.world_size,
-                                                      partial(recut, engine.ctx, engine.plan, engine.topology)))
+                                                      partial(recut, engine.ctx, engine.strategy, engine.topology)))
             except Exception as exc:  # any rank's failure stops every rank here, not in its first round
                 error = exc
             checkpoint_load.agree_loaded(engine.dims.comm("control"), engine.device, engine.watchdog, opened.path, error,

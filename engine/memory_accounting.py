@@ -120,11 +120,6 @@ def fsdp_unsharded_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def engine_held_bytes(engine) -> dict[str, int]:
-    """``held_bytes`` of an Engine's model, round context and strategy."""
-    return held_bytes(engine.model, engine.ctx, engine.strategy)
-
-
 class RoundTemporaries(TorchDispatchMode):
     """Live bytes of the storages created under this mode (on this thread), and their peak."""
 
@@ -169,11 +164,11 @@ class RoundTemporaries(TorchDispatchMode):
                 del self._refs[ptr]
 
 
-def track_round_temporaries(engine) -> list[int]:
-    """Wrap the engine's strategy so that every round runs under a RoundTemporaries; returns the
-    list each round's peak (bytes) is appended to."""
+def track_round_temporaries(strategy) -> list[int]:
+    """Wrap ``strategy`` (an engine's) so that every round runs under a RoundTemporaries; returns
+    the list each round's peak (bytes) is appended to."""
     peaks: list[int] = []
-    run_round = engine.strategy.run_round
+    run_round = strategy.run_round
 
     def tracked(ctx, req):
         with RoundTemporaries() as mode:
@@ -181,5 +176,5 @@ def track_round_temporaries(engine) -> list[int]:
         peaks.append(mode.peak)
         return result
 
-    engine.strategy.run_round = tracked
+    strategy.run_round = tracked
     return peaks

@@ -1,28 +1,24 @@
 """Resume at another world size: re-cut the state of N workers' checkpoint files for N' workers.
 
 Every rank of the new run reads all N rank files (verified as usual) and builds the state dict its
-``Engine.load_state_dict`` takes, by one rule per tensor (docs/elastic.md, "Checkpoints"):
+``Engine.load_state_dict`` takes (docs/elastic.md, "Checkpoints"). The strategy says how each of
+its tensors is re-cut (``Strategy.recut_rules``: shard, shared, summed, local, step;
+engine/strategies/base.py ``Recut``); this module applies the rules and knows the engine's own
+tensors:
 
-  shard    the ZeRO-1 master and moments, 1-bit Adam's server error: concatenated in rank order,
-           cut to the model's values, padded to the new buffer and sliced to the new shards
-           (bit-exact: the full vectors are unchanged)
-  shared   what every replica holds alike (DiLoCo's theta_sync and outer momentum, 1-bit Adam's
-           momentum, frozen variance and mask): rank 0's, re-padded
-  sum      error feedback (LoCo/EF error, 1-bit Adam's worker error, SparseLoCo's outer error):
-           the sum over the old workers is kept and spread evenly, sum / N' on every new worker.
-           What the workers owe the model is that sum (the next reduce adds every worker's
-           error once); no worker's error belongs to a coordinate range, so an even spread is the
-           one split that neither drops a departed worker's debt nor favours a survivor
-  local    a local-step worker's own parameters and inner moments: new rank r keeps old rank
-           r's when it existed; a new rank starts from theta_sync with old rank r mod N's inner
-           moments; a departed worker's local progress since the last outer round is dropped
-  dropped  the accumulated gradient not yet sent (its micro-batches are dealt again at the new
-           shares, so the data position is kept: ``consumed`` steps back by them), measured
-           speeds (measured again)
+  feedback.*    the gradient reducer's error feedback: the sum over the old workers is kept and
+                spread evenly, sum / N' on every new worker. What the workers owe the model is
+                that sum (the next reduce adds every worker's error once); no worker's error
+                belongs to a coordinate range, so an even spread is the one split that neither
+                drops a departed worker's debt nor favours a survivor
+  pending_grad  the accumulated gradient not yet sent: dropped (its micro-batches are dealt again
+                at the new shares, so the data position is kept: ``consumed`` steps back by them)
+  rng_*         new rank r takes old rank r mod N's
+  measured speeds are dropped (measured again)
 
-A checkpoint between the two rounds of an ACCO step (its kept half and the error-feedback mark
-belong to that step's workers) or with an outer round in flight cannot be re-cut: resume it at its
-own world size, or from a checkpoint at a step boundary (periodic checkpoints are).
+A checkpoint between the rounds of a step, or one whose strategy refuses (``recut_refusal``: an
+ACCO kept half, an outer round in flight), cannot be re-cut: resume it at its own world size, or
+from a checkpoint at a step boundary (periodic checkpoints are).
 """
 
 from __future__ import annotations
@@ -32,18 +28,11 @@ from types import SimpleNamespace
 
 import torch
 
-from acco_loco.acco import RoundPlan
 from acco_loco.registry import make_codec
 
 from .rounds import RoundContext
 
 log = logging.getLogger("acco_loco")
-
-SHARED = ("outer.theta_sync", "outer.momentum", "onebit.momentum", "onebit.variance", "onebit.mask",
-          "onebit.master")
-SUMMED = ("onebit.worker_error", "outer.error")
-LOCAL = ("local_params", "outer.submitted")
-MID_STEP = ("kept_grad_sum",)
 
 
 class ReshardError(ValueError):
@@ -70,13 +59,31 @@ def _feedback_error(fb: dict[str, torch.Tensor], group_size: int) -> torch.Tenso
     return codec.decode(fb["e_codes"], fb["e_scales"])
 
 
-def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
+def apply_rule(rule, key: str, old: list[dict[str, torch.Tensor]], numel: int, padded: int, rank: int,
+               world: int) -> tuple[torch.Tensor, str]:
+    """(this rank's tensor, how it was carried) for ``key`` under ``rule`` (a ``Recut``)."""
+    n, pieces = len(old), [t[key] for t in old]
+    if rule.rule == "shard":
+        return _recut(pieces, numel, padded, rank, world), "re-cut"
+    if rule.rule == "shared":
+        return _repad(pieces[0], numel, padded, rule.fill), "rank 0's"
+    if rule.rule == "summed":
+        total = torch.stack([p[:numel].to(torch.float64) for p in pieces]).sum(0)
+        return _repad((total / world).to(pieces[0].dtype), numel, padded), f"sum over {n} spread over {world}"
+    if rank < n:  # local
+        return _repad(pieces[rank], numel, padded, rule.fill), "own"
+    if rule.new_from is not None and rule.new_from in old[0]:
+        return _repad(old[0][rule.new_from], numel, padded, rule.fill), f"old rank 0's {rule.new_from} (new worker)"
+    return _repad(pieces[rank % n], numel, padded, rule.fill), f"old rank {rank % n}'s (new worker)"
+
+
+def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
           where: str) -> tuple[dict, dict, dict]:
-    """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer; ``plan``
-    and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a report
-    {carried, dropped} for the log."""
+    """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer;
+    ``strategy`` and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a
+    report {carried, dropped} for the log."""
     if ctx.cfg.model_sharding != "none" or old[0][1].get("model_sharding", "none") != "none":
-        return recut_rails(ctx, plan, old, where)  # each rail's chunks re-cut as a flat run's shards
+        return recut_rails(ctx, strategy, old, where)  # each rail's chunks re-cut as a flat run's shards
     n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
     flat = ctx.flat
     numel, padded = flat.numel, flat.padded
@@ -84,66 +91,42 @@ def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dic
     if meta0["numel"] != numel:
         raise ReshardError(f"{where} holds a model of {meta0['numel']} trainable values and this engine has "
                            f"{numel}: load it into the model it was saved from")
-    if meta0["round_index"] % plan.rounds_per_step or meta0.get("kept") is not None:
-        raise ReshardError(f"{where} was taken between the rounds of a step (round {meta0['round_index']}): its "
-                           f"kept half belongs to the {n} workers of that step. Resume it with {n} workers, or "
-                           "use a checkpoint at a step boundary (periodic checkpoints are)")
+    step_in_progress = "it was taken between the rounds of a step" if meta0["round_index"] % \
+        strategy.plan.rounds_per_step else None
+    refused = step_in_progress or strategy.recut_refusal(meta0)
+    if refused:
+        raise ReshardError(f"{where} cannot be re-cut for {world} workers: {refused} (round {meta0['round_index']}). "
+                           f"Resume it with {n} workers, or use a checkpoint at a step boundary (periodic "
+                           "checkpoints are)")
     if "two_level" in (meta0.get("topology", "flat"), topology):
         # its per-rank state (error feedback, 1-bit Adam's) covers a rail slice, not the buffer
         raise ReshardError(f"{where} was written by {n} workers and this run has {world}, under the two-level "
                            "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
                            f"with {n} workers in the same layout, or run both with topology='flat'")
-    if meta0.get("outer", {}).get("unmerged"):
-        raise ReshardError(f"{where} was taken with an outer round in flight (outer_overlap): resume it with "
-                           f"{n} workers, or use a checkpoint taken after the round was merged")
-    local = bool(plan.local_steps)
-    mine = old[rank][0] if rank < n else None
     carried: dict[str, str] = {}
     dropped: list[str] = []
     out: dict[str, torch.Tensor] = {}
-    theta_sync = old[0][0].get("outer.theta_sync")
+    olds = [t for t, _ in old]
 
     for key in old[0][0]:
-        pieces = [t[key] for t, _ in old]
-        if key.startswith("feedback_mark.") or key in MID_STEP:
+        if key.startswith("feedback_mark."):
             raise ReshardError(f"{where} holds {key!r}, state of a step in progress: resume it with {n} workers")
-        if key.startswith("opt."):
-            if not local:
-                out[key] = _recut(pieces, numel, padded, rank, world)
-                carried[key] = "re-cut"
-            elif mine is not None:
-                out[key] = _repad(mine[key], numel, padded)
-                carried[key] = "own (local)"
-            elif key == "opt.master" and theta_sync is not None:
-                out[key] = _repad(theta_sync, numel, padded)
-                carried[key] = "theta_sync (new worker)"
-            else:
-                out[key] = _repad(pieces[rank % n], numel, padded)
-                carried[key] = f"old rank {rank % n}'s (new worker)"
-        elif key == "onebit.server_error":
-            out[key] = _recut(pieces, numel, padded, rank, world)
-            carried[key] = "re-cut"
-        elif key in SHARED:
-            fill = True if key == "onebit.mask" else 0  # the padding never had a gradient
-            out[key] = _repad(pieces[0], numel, padded, fill)
-            carried[key] = "rank 0's"
-        elif key in SUMMED:
-            total = torch.stack([p[:numel].to(torch.float64) for p in pieces]).sum(0)
-            out[key] = _repad((total / world).to(pieces[0].dtype), numel, padded)
-            carried[key] = f"sum over {n} spread over {world}"
-        elif key in LOCAL:
-            out[key] = _repad(pieces[rank if rank < n else 0], numel, padded)
-            carried[key] = "own" if rank < n else "old rank 0's (new worker)"
-        elif key == "pending_grad":
-            out[key] = torch.zeros(padded, dtype=pieces[0].dtype)
+        if key == "pending_grad":
+            out[key] = torch.zeros(padded, dtype=old[0][0][key].dtype)
             dropped.append("the accumulated gradient not yet sent (dealt again)")
         elif key.startswith("rng_"):
-            out[key] = pieces[rank % n]
+            out[key] = old[rank % n][0][key]
             carried[key] = f"old rank {rank % n}'s"
         elif key.startswith("feedback."):
             continue  # below, all together
         else:
-            raise ReshardError(f"{where}: no rule to re-cut {key!r} for another world size: resume with {n} workers")
+            rule = strategy.recut_rule(key)
+            if rule is None:
+                raise ReshardError(f"{where}: strategy {strategy.plan.name!r} has no rule to re-cut {key!r} for "
+                                   f"another world size: resume with {n} workers")
+            if rule.rule == "step":
+                raise ReshardError(f"{where} holds {key!r}, state of a step in progress: resume it with {n} workers")
+            out[key], carried[key] = apply_rule(rule, key, olds, numel, padded, rank, world)
 
     if any(k.startswith("feedback.") for k in old[0][0]):
         fresh = ctx.grads.state_dict(False)  # this engine's config (numel, group) and beta
@@ -172,11 +155,11 @@ def recut(ctx: RoundContext, plan: RoundPlan, topology: str, old: list[tuple[dic
         dropped.append("measured speeds (measured again)")
     if world < n:
         dropped.append(f"workers {list(range(world, n))}'s own state"
-                       + (" (their local progress since the last outer round)" if local else ""))
+                       + (" (their local progress since the last outer round)" if strategy.plan.local_steps else ""))
     return out, meta, {"carried": carried, "dropped": dropped}
 
 
-def recut_rails(ctx: RoundContext, plan: RoundPlan, old: list[tuple[dict, dict]], where: str) -> tuple[dict, dict, dict]:
+def recut_rails(ctx: RoundContext, strategy, old: list[tuple[dict, dict]], where: str) -> tuple[dict, dict, dict]:
     """Resume a node-sharded checkpoint at another number of nodes: the state of rank (m, l) is
     chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
     ``recut`` (the flat rules above, M ranks for N). The ranks per node must stay: the local
@@ -194,6 +177,6 @@ def recut_rails(ctx: RoundContext, plan: RoundPlan, old: list[tuple[dict, dict]]
     rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
     view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
                            grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
-    tensors, meta, report = recut(view, plan, "flat", rail, where)
+    tensors, meta, report = recut(view, strategy, "flat", rail, where)
     meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
     return tensors, meta, report

@@ -419,9 +419,9 @@ def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
     and at its peak, and on a GPU the allocator's peak. Every rank calls it (one gather)."""
     import resource
 
-    from engine.memory_accounting import engine_held_bytes
+    from engine.memory_accounting import held_bytes
 
-    mine = {"held_bytes": engine_held_bytes(engine),
+    mine = {"held_bytes": held_bytes(engine.model, engine.ctx, engine.strategy),
             "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             if Path("/proc/self/statm").is_file() else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB

@@ -104,14 +104,15 @@ def candidates(two_level: bool = True, node_sharding: bool | None = None) -> lis
     node_sharding = two_level if node_sharding is None else node_sharding
     out, two, sharded = [Mode(DDP), Mode(DDP, ddp_dtype="bfloat16")], [], []
     for strategy in STRATEGIES:
-        spec = strategy_class(strategy).spec()
+        cls = strategy_class(strategy)  # its exchanges: ``two_level``, ``node_sharding_refused``
+        spec = cls.spec()
         if spec is None:
             continue
         variants = [Mode(strategy, c, p) for c, p in (CODEC_VARIANTS if spec.codec_variants else CODEC_VARIANTS[:1])]
         out += variants
-        if two_level and spec.two_level:
+        if two_level and cls.two_level:
             two += [replace(m, exchange="two-level") for m in variants]
-            if node_sharding and spec.node_sharding:
+            if node_sharding and cls.node_sharding_refused is None:
                 sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
     return out + two + sharded
 

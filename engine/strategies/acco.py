@@ -14,17 +14,27 @@ from __future__ import annotations
 import torch
 
 from acco_loco import delay
-from acco_loco.acco import PLANS, KeptHalf, RoundKind
+from acco_loco.acco import KeptHalf, RoundKind, RoundPlan
 
 from ..rounds import RoundContext, RoundRequest
+from .base import Recut
 from .sharded import RoundTotals, ShardedStrategy
 
 
 class Acco(ShardedStrategy):
-    plan = PLANS["acco"]
+    plan = RoundPlan("acco", overlap=True, kinds=(RoundKind.ESTIMATE, RoundKind.COMMIT))
     sections = ("acco",)
     kept_shards = 1  # the reduced estimate half, until its commit round
     quality_proxy = ("acco", "loco4", "int4")  # measured; its other codec variants lose as much or less
+    # the delay corrections' per-owner shards; the kept half belongs to the step in progress
+    recut_rules = {**ShardedStrategy.recut_rules, "sent_estimate": Recut("shard"), "last_update": Recut("shard"),
+                   "kept_grad_sum": Recut("step")}
+
+    @classmethod
+    def recut_refusal(cls, meta: dict) -> str | None:
+        if meta.get("kept") is not None:
+            return "it was taken between the rounds of a step: its kept half belongs to that step's workers"
+        return None
 
     def __init__(self) -> None:
         self.kept: KeptHalf | None = None  # the reduced estimate half, until its commit round

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from acco_loco.acco import RoundPlan
 
 from ..rounds import RoundContext, RoundRequest, RoundResult
+
+
+RECUT_RULES = ("shard", "shared", "summed", "local", "step")
+
+
+@dataclass(frozen=True)
+class Recut:
+    """How one tensor of a checkpoint is re-cut for another world size (engine/reshard.py applies
+    it; docs/elastic.md, "Checkpoints"):
+
+      shard   one piece per owner: concatenated in rank order, re-padded, cut for the new owners
+      shared  what every replica holds alike: rank 0's, re-padded (the padding: ``fill``)
+      summed  error feedback: the sum over the old workers kept, spread evenly over the new
+      local   a worker's own: new rank r keeps old rank r's; a new worker takes rank 0's
+              ``new_from`` tensor, or with none old rank r mod N's
+      step    state of a step in progress: refused (resume at the same world size)"""
+
+    rule: str
+    fill: float | bool = 0
+    new_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in RECUT_RULES:
+            raise ValueError(f"unknown re-cut rule {self.rule!r}: one of {RECUT_RULES}")
 
 
 class Strategy:
@@ -23,6 +49,9 @@ class Strategy:
     # why its rounds cannot run on FSDP2's local shards (model_sharding='node', engine/sharding.py);
     # None: they can
     node_sharding_refused: str | None = "its rounds work on the whole parameter buffer"
+    # how its checkpointed tensors are re-cut at another world size, by name or by a prefix ending
+    # in "." (the longest match wins): the optimizer's ``opt.*`` and what ``state_dict`` returns
+    recut_rules: dict[str, Recut] = {"opt.": Recut("shard")}
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError
@@ -69,3 +98,14 @@ class Strategy:
 
     def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         pass
+
+    @classmethod
+    def recut_rule(cls, key: str) -> Recut | None:
+        """The rule of ``recut_rules`` for the checkpoint tensor ``key`` (None: it has none)."""
+        matches = [k for k in cls.recut_rules if k == key or (k.endswith(".") and key.startswith(k))]
+        return cls.recut_rules[max(matches, key=len)] if matches else None
+
+    @classmethod
+    def recut_refusal(cls, meta: dict) -> str | None:
+        """Why a checkpoint with this strategy's ``meta`` (rank 0's) cannot be re-cut, or None."""
+        return None

@@ -14,13 +14,14 @@ from acco_loco.schedule import lr_at
 
 from ..host import nonfinite_flag, small_vector, to_host
 from ..rounds import RoundContext, RoundRequest, RoundResult
-from .base import Strategy
+from .base import Recut, Strategy
 
 
 class LocalSGD(Strategy):
     plan = RoundPlan("local_sgd", overlap=False, kinds=(RoundKind.COMMIT,))
     period = 4  # steps between parameter averages
     node_sharding_refused = "it averages full local copies, and has no two-level exchange"
+    recut_rules = {**Strategy.recut_rules, "local_params": Recut("local", new_from="local_params")}
 
     @classmethod
     def check(cls, cfg) -> None:

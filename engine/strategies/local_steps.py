@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +29,8 @@ from acco_loco.schedule import lr_at
 from ..host import nonfinite_flag, small_vector, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..two_level import slice_of
-from .base import Strategy
+from .base import Recut, Strategy
+from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
 from .spec import MemorySpec, StrategySpec
 
@@ -38,42 +39,6 @@ def device_side(t: torch.Tensor) -> bool:
     """Whether the inner step runs its accelerator path (one host read): off the CPU. Tests set
     this to run that path on CPU."""
     return t.device.type != "cpu"
-
-
-@dataclass
-class PeriodTotals:
-    """This worker's work since the last outer round was submitted."""
-
-    micro_batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-
-    def as_list(self) -> list:
-        return [self.micro_batches, self.samples, self.loss_sum]
-
-
-@dataclass
-class InnerStep:
-    """What one inner step did, for the history."""
-
-    lr: float
-    grad_norm: float
-    loss: float
-    skipped: bool
-
-
-@dataclass
-class OuterTotals:
-    """What the outer round's small all-reduce tells every rank."""
-
-    count: int  # micro-batches of the period, all workers
-    samples: int
-    loss_sum: float
-    shares: list[float]  # a_w = n_w / sum n: each worker's share of the period's samples
-    exhausted_ranks: list[int]
-    bad_ranks: list[int]  # their pseudo-gradient was not finite
-    done_ranks: list[int]  # they reached their step budget (outer_period_s)
-    rank_samples: list[int] = field(default_factory=list)  # every rank's samples in the period
 
 
 class LocalStepStrategy(Strategy):
@@ -85,6 +50,11 @@ class LocalStepStrategy(Strategy):
     node_sharding_refused = ("a node replica's inner steps all-gather the whole parameter buffer in the node; "
                              "FSDP2's inner steps are not wired to the outer round yet")
     sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
+    # each worker's inner copy is its own; theta_sync and the outer momentum every replica's alike;
+    # sparseloco's error feedback summed
+    recut_rules = {"opt.": Recut("local"), "opt.master": Recut("local", new_from="outer.theta_sync"),
+                   "outer.theta_sync": Recut("shared"), "outer.momentum": Recut("shared"),
+                   "outer.error": Recut("summed"), "outer.submitted": Recut("local", new_from="outer.submitted")}
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -114,7 +84,7 @@ class LocalStepStrategy(Strategy):
     @classmethod
     def spec(cls) -> StrategySpec:
         return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("local"), round_parts=cls.outer_round_parts,
-                            two_level=cls.two_level, local_steps=True, outer_cost=cls.outer_cost)
+                            local_steps=True, outer_cost=cls.outer_cost)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -425,6 +395,13 @@ class LocalStepStrategy(Strategy):
         meta = {"outer": {"strategy": self.name, "overlap": self.plan.overlap, "unmerged": self.unmerged,
                           "period": self.period.as_list(), **self.outer_meta()}}
         return tensors, meta
+
+    @classmethod
+    def recut_refusal(cls, meta: dict) -> str | None:
+        if meta.get("outer", {}).get("unmerged"):
+            return ("it was taken with an outer round in flight (outer_overlap): resume it at its own world size, "
+                    "or use a checkpoint taken after the round was merged")
+        return None
 
     def load_state_dict(self, ctx: RoundContext, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         saved = meta.get("outer", {})

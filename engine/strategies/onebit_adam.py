@@ -42,6 +42,7 @@ from acco_loco.schedule import lr_at
 from ..host import nonfinite_flag, to_host
 from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
 from ..two_level import TwoLevelGrads, gather_slices, slice_of
+from .base import Recut
 from .sharded import ShardedStrategy, agree
 from .spec import ALIGN, MemorySpec, StrategySpec, small_bytes
 from .spec import padded as padded_to
@@ -79,6 +80,11 @@ class OnebitAdam(ShardedStrategy):
     # its compressed stage keeps momentum, variance and errors on a node's slices of the whole
     # buffer, not yet on FSDP2's local shards
     node_sharding_refused = "its 1-bit stage keeps its state on slices of the whole parameter buffer"
+    # the server error is each owner's; momentum, the frozen variance and mask every replica's alike
+    recut_rules = {**ShardedStrategy.recut_rules, "onebit.server_error": Recut("shard"),
+                   "onebit.momentum": Recut("shared"), "onebit.variance": Recut("shared"),
+                   "onebit.mask": Recut("shared", fill=True), "onebit.master": Recut("shared"),
+                   "onebit.worker_error": Recut("summed")}
     sections = ("onebit",)  # its settings: engine/strategies/onebit_config.py
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
 
@@ -99,7 +105,7 @@ class OnebitAdam(ShardedStrategy):
         return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("whole"), round_parts=_spec_parts,
                             work=lambda numel, slice_, shard, mode: {"onebit_s_per_param": numel,
                                                                      "codec_s_per_param": 2 * slice_},
-                            two_level=True, warmup_as="zero1")
+                            warmup_as="zero1")
 
     @classmethod
     def codec_groups(cls, cfg) -> list[int]:

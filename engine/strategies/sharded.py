@@ -72,8 +72,8 @@ class ShardedStrategy(Strategy):
     def spec(cls) -> StrategySpec:
         return StrategySpec(rounds=len(cls.plan.kinds), overlap=cls.plan.overlap,
                             memory=MemorySpec("sharded", cls.kept_shards), round_parts=sharded_round_parts,
-                            work=sharded_work, adamw_class=True, codec_variants=True, two_level=cls.two_level,
-                            node_sharding=True, quality_proxy=cls.quality_proxy)
+                            work=sharded_work, adamw_class=True, codec_variants=True,
+                            quality_proxy=cls.quality_proxy)
 
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         """A reduced half from an earlier round that this round's step adds (none here)."""

@@ -83,8 +83,6 @@ class StrategySpec:
     work: Callable[..., dict] = lambda numel, slice_, shard, mode: {}
     adamw_class: bool = False  # its update is AdamW's (or AdamW's one step late): auto may take it
     codec_variants: bool = False  # takes gradient codecs and low-bit parameter deltas
-    two_level: bool = False  # has a two-level exchange (engine/topology.py)
-    node_sharding: bool = False  # runs with model_sharding="node" (FSDP2 inside the node)
     local_steps: bool = False  # a round every ``inner_steps`` optimizer steps taken alone
     outer_cost: str = ""  # local steps: the Hardware cost attribute of an outer round, per value
     warmup_as: str = ""  # a registered strategy whose rounds its warmup runs (time to loss)

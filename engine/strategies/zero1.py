@@ -1,10 +1,10 @@
 """zero1: one commit round per step, nothing overlaps; the synchronous reference."""
 
-from acco_loco.acco import PLANS
+from acco_loco.acco import RoundKind, RoundPlan
 
 from .sharded import ShardedStrategy
 
 
 class Zero1(ShardedStrategy):
-    plan = PLANS["zero1"]
+    plan = RoundPlan("zero1", overlap=False, kinds=(RoundKind.COMMIT,))
     quality_proxy = ("acco", "loco4", "int4")  # the same codecs and error feedback, or a subset of them

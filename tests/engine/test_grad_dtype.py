@@ -135,7 +135,7 @@ def test_buffers_and_hooks_follow_the_setting():
 
 def test_fp32_models_are_unchanged_by_the_setting():
     """fp32 parameters: every grad_dtype gives the same bits, the same buffers and no hooks."""
-    from engine.memory_accounting import engine_held_bytes
+    from engine.memory_accounting import held_bytes
 
     runs = {}
     for g in ("auto", "float32", "compute"):
@@ -144,7 +144,7 @@ def test_fp32_models_are_unchanged_by_the_setting():
         history = engine.fit(iter(worker_stream(0, 8 * K)))
         engine.close()
         assert not engine.flat.hooked and all(b.dtype == torch.float32 for b in engine.flat.grads)
-        runs[g] = (flat_params(model), [h["loss"] for h in history], engine_held_bytes(engine))
+        runs[g] = (flat_params(model), [h["loss"] for h in history], held_bytes(engine.model, engine.ctx, engine.strategy))
     for g in ("auto", "float32"):
         assert torch.equal(runs[g][0], runs["compute"][0]) and runs[g][1] == runs["compute"][1]
         assert runs[g][2] == runs["compute"][2]  # not one byte more held

@@ -44,7 +44,7 @@ def _stream(rank: int, n: int):
 def _measure(rank: int, world: int, topology: str) -> dict:
     from acco_loco import kernels
     from engine import Engine, EngineConfig
-    from engine.memory_accounting import engine_held_bytes, track_round_temporaries
+    from engine.memory_accounting import held_bytes, track_round_temporaries
 
     kernels.use(False)  # the torch path: what runs on a GPU
     out = {}
@@ -53,11 +53,11 @@ def _measure(rank: int, world: int, topology: str) -> dict:
             cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=3, compute_dtype=dtype,
                                topology=topology, **kw)
             engine = Engine(_model(), cfg, _loss)
-            peaks = track_round_temporaries(engine)
+            peaks = track_round_temporaries(engine.strategy)
             engine.fit(_stream(rank, 50))
             engine.close()
             # the first step's rounds also make the kept buffers (spare, slots): the later ones
-            out[(dtype, name)] = (engine_held_bytes(engine), max(peaks[2:]), engine.flat.padded,
+            out[(dtype, name)] = (held_bytes(engine.model, engine.ctx, engine.strategy), max(peaks[2:]), engine.flat.padded,
                                   engine.comm.chunks, engine.topology)
     return out
 

@@ -51,7 +51,7 @@ def _stream(rank: int, n: int):
 def _measure(rank: int, world: int, dtypes: tuple[str, ...]) -> dict:
     from acco_loco import kernels
     from engine import Engine, EngineConfig
-    from engine.memory_accounting import engine_held_bytes, fsdp_unsharded_bytes, track_round_temporaries
+    from engine.memory_accounting import held_bytes, fsdp_unsharded_bytes, track_round_temporaries
 
     kernels.use(False)  # the torch path: what runs on a GPU
     out = {}
@@ -61,11 +61,11 @@ def _measure(rank: int, world: int, dtypes: tuple[str, ...]) -> dict:
                 cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=3, compute_dtype=dtype,
                                    model_sharding=sharding, **kw)  # (unsharded: two-level, flat on one node)
                 engine = Engine(Blocks(), cfg, _loss)
-                peaks = track_round_temporaries(engine)
+                peaks = track_round_temporaries(engine.strategy)
                 engine.fit(_stream(rank, 50))
                 engine.close()
                 out[(dtype, name, sharding)] = dict(
-                    held=engine_held_bytes(engine), temps=max(peaks[2:]), padded=engine.flat.padded,
+                    held=held_bytes(engine.model, engine.ctx, engine.strategy), temps=max(peaks[2:]), padded=engine.flat.padded,
                     chunks=engine.comm.chunks, fsdp=fsdp_unsharded_bytes(engine.model))
     return out
 

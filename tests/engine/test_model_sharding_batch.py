@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acco_loco.acco import plan_for
 from engine import Engine, EngineConfig
 from engine.batching import Accumulation
 from engine.local_group import spawn
+from engine.strategies import strategy_class
 from tests.engine.test_model_sharding import sharded_tiny, whole_params
 from tests.tiny import mse_loss, rel_err, worker_stream
 
@@ -21,7 +21,7 @@ TOTAL = 12  # acco: 6 micro-batches per round, 3 units of 2 over 2 nodes, so nod
 
 def _accumulation(total: int, lockstep: int, world: int = 4, balance: str = "equal") -> Accumulation:
     cfg = EngineConfig(strategy="acco", global_micro_batches=total, balance=balance)
-    return Accumulation(cfg, plan_for("acco"), 0, world, paced=False, lockstep=lockstep)
+    return Accumulation(cfg, strategy_class("acco").plan, 0, world, paced=False, lockstep=lockstep)
 
 
 def test_a_nodes_ranks_get_the_same_share_every_round():
