@@ -3,7 +3,7 @@
 The settings live in sections, each a dataclass of ``setting(...)`` fields with its own RULES
 table: the core ones in engine/sections.py, and each strategy's own (diloco and sparseloco's
 ``outer``, onebit_adam's ``onebit``) in a file beside the strategy, registered in
-engine/strategies/__init__.py ``SECTIONS``. EngineConfig gathers them (``config_layout``): a new
+engine/strategies/__init__.py ``SECTIONS``. EngineConfig gathers them (``config_schema``): a new
 strategy section changes nothing here."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _RENAMED = {"optimizer": ("optim", "name"), "lr_schedule": ("schedule", "kind"),
             "accumulation": ("accumulate", "mode")}
 
 
-class ConfigLayout(NamedTuple):
+class ConfigSchema(NamedTuple):
     """Every section and flat name of EngineConfig under the current strategy registry."""
 
     sections: dict[str, type]  # by attribute name, in to_dict's order
@@ -52,13 +52,13 @@ class ConfigLayout(NamedTuple):
     rules: dict[str, Rule]  # flat keyword or top-level field -> its rule
 
 
-def config_layout() -> ConfigLayout:
+def config_schema() -> ConfigSchema:
     """The sections, flat names and rules; a section registered later (a test's) is picked up."""
-    return _layout(tuple(STRATEGY_SECTIONS.items()))
+    return _schema(tuple(STRATEGY_SECTIONS.items()))
 
 
 @functools.lru_cache(maxsize=1)
-def _layout(registry: tuple[tuple[str, str], ...]) -> ConfigLayout:
+def _schema(registry: tuple[tuple[str, str], ...]) -> ConfigSchema:
     own = {name: section_class(name) for name, _ in registry}
     sections = {**CORE_SECTIONS, **own, **LAST_SECTIONS}
     flat_name = {key: name for name, key in _RENAMED.items()}
@@ -76,7 +76,7 @@ def _layout(registry: tuple[tuple[str, str], ...]) -> ConfigLayout:
         raise RuntimeError(f"fields and rules disagree on {unruled}: give every field exactly one rule (a "
                            "section's field in the section's RULES, a top-level one in engine/config.py _RULES)")
     rules = {**_RULES, **{name: sections[sec].RULES[field] for name, sec, field in pairs}}
-    return ConfigLayout(sections, tuple(own), {name: (sec, field) for name, sec, field in pairs}, rules)
+    return ConfigSchema(sections, tuple(own), {name: (sec, field) for name, sec, field in pairs}, rules)
 
 
 @dataclass(init=False, eq=False, repr=False)
@@ -115,7 +115,7 @@ class EngineConfig:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def __init__(self, **kwargs: Any) -> None:
-        lay = config_layout()
+        lay = config_schema()
         for name, default in _TOP_DEFAULTS.items():
             object.__setattr__(self, name, kwargs.pop(name, default))
         for name, cls in lay.sections.items():
@@ -129,14 +129,14 @@ class EngineConfig:
         self.validate()
 
     def __getattr__(self, name: str) -> Any:
-        flat = config_layout().flat
+        flat = config_schema().flat
         if name in flat:  # only reached when normal lookup fails: the flat names
             section, field = flat[name]
             return getattr(object.__getattribute__(self, section), field)
         raise AttributeError(f"EngineConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        flat = config_layout().flat
+        flat = config_schema().flat
         if name in flat:
             section, field = flat[name]
             setattr(getattr(self, section), field, value)
@@ -152,7 +152,7 @@ class EngineConfig:
     @staticmethod
     def field_names() -> list[str]:
         """Every setting by its flat name (the top-level fields and each section's)."""
-        return list(_TOP_DEFAULTS) + list(config_layout().flat)
+        return list(_TOP_DEFAULTS) + list(config_schema().flat)
 
     def validate(self) -> None:
         """Type and range of every field (_RULES and each section's RULES), then the rules
@@ -160,7 +160,7 @@ class EngineConfig:
 
         Runs at construction; call it again after assigning a field.
         """
-        rules = config_layout().rules
+        rules = config_schema().rules
         for name in self.field_names():
             rules[name](name, getattr(self, name))
         if self.max_micro_batches is not None and self.max_micro_batches < self.micro_batches:
@@ -199,7 +199,7 @@ class EngineConfig:
         """A strategy section set away from its defaults under a strategy that does not read it
         would be ignored: refuse it, naming the strategies that read it (their classes are
         imported only here, when such a setting is set)."""
-        for name in config_layout().strategy_sections:
+        for name in config_schema().strategy_sections:
             section = getattr(self, name)
             defaults = type(section)()
             changed = [f"{f.name}={getattr(section, f.name)!r}" for f in dataclasses.fields(section)
@@ -245,11 +245,10 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
-        """From ``to_dict``'s nested form, the flat form of earlier checkpoints, or a mix."""
+        """From ``to_dict``'s nested form, the flat keywords, or a mix."""
         if not isinstance(d, dict):
             raise ValueError(f"EngineConfig.from_dict needs a dict of fields, got {type(d).__name__}")
         d = dict(d)
-        _rename_old_values(d)
         if isinstance(d.get("betas"), list):  # JSON has no tuples; anything else is validated as is
             d["betas"] = tuple(d["betas"])
         if isinstance(d.get("optim"), dict) and isinstance(d["optim"].get("betas"), list):
@@ -259,28 +258,6 @@ class EngineConfig:
 
 _TOP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                  if f.name not in CORE_SECTIONS and f.name not in LAST_SECTIONS}
-
-
-# settings that earlier releases kept in the shared ``outer`` section, by the section they now live in
-_MOVED_FROM_OUTER = {"outer_momentum": "diloco", "outer_momentum_kind": "diloco", "pseudo_grad_dtype": "diloco",
-                     "topk_density": "sparseloco", "topk_chunk": "sparseloco", "topk_value_bits": "sparseloco",
-                     "sparse_error_beta": "sparseloco", "sparse_aggregate": "sparseloco"}
-
-
-def _rename_old_values(d: dict) -> None:
-    """Values that earlier releases wrote into checkpoints under other names or sections."""
-    outer = d.get("outer")
-    if isinstance(outer, dict) and set(outer) & set(_MOVED_FROM_OUTER):
-        outer = d["outer"] = dict(outer)
-        for name in set(outer) & set(_MOVED_FROM_OUTER):
-            section = d.setdefault(_MOVED_FROM_OUTER[name], {})
-            if isinstance(section, dict):
-                d[_MOVED_FROM_OUTER[name]] = {name: outer.pop(name), **section}
-    if d.get("accumulation") == "adaptive":
-        d["accumulation"] = "grow"
-    acc = d.get("accumulate")
-    if isinstance(acc, dict) and acc.get("mode") == "adaptive":
-        d["accumulate"] = {**acc, "mode": "grow"}
 
 
 def _section(name: str, cls: type, value: Any):
@@ -316,7 +293,7 @@ _RULES: dict[str, Rule] = {  # the sections' fields bring theirs (their RULES)
     "seed": Check("an integer in [0, 2**32)", lambda v: is_int(v) and 0 <= v < SEED_LIMIT),
 }
 
-config_layout()  # checks at import that every field has exactly one rule, so none can skip validation
+config_schema()  # checks at import that every field has exactly one rule, so none can skip validation
 
 
 # ------------------------------------------------------------------------ settings, described
@@ -339,7 +316,7 @@ def describe_settings() -> dict[str, Setting]:
     """Every setting of EngineConfig (flat names, sections in order) with its default, help and
     choices: what recipes generate their flags from. The settings of a strategy's own section
     say which strategies read it (this imports the registered strategies' classes)."""
-    lay = config_layout()
+    lay = config_schema()
     flat_name = {key: name for name, key in lay.flat.items()}
     found = [("engine", f.name, f) for f in dataclasses.fields(EngineConfig) if f.name not in lay.sections]
     found += [(sec, flat_name[sec, f.name], f) for sec, cls in lay.sections.items() for f in dataclasses.fields(cls)]

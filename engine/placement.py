@@ -28,13 +28,6 @@ from typing import Any, Callable
 import torch
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of the model's first parameter (CPU for a model without parameters)."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``batch`` with ``fn`` applied to every tensor nested in it; containers are rebuilt only
     when something inside changed (a batch already in place comes back as the same object)."""

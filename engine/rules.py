@@ -74,20 +74,6 @@ class Choice:
             raise ValueError(f"unknown {name} {value!r}: choose one of {self.options}")
 
 
-class Renamed(Choice):
-    """A closed set where some names of earlier releases say what they are called now."""
-
-    def __init__(self, options: tuple[str, ...], renamed: dict[str, str]):
-        super().__init__(options)
-        object.__setattr__(self, "renamed", renamed)
-
-    def __call__(self, name: str, value: Any) -> None:
-        if value in self.renamed:
-            raise ValueError(f"{name} {value!r} is now called {self.renamed[value]!r}: use that "
-                             f"(choose one of {self.options})")
-        super().__call__(name, value)
-
-
 def choice(options: tuple[str, ...] | list[str]) -> Choice:
     return Choice(tuple(options))
 

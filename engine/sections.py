@@ -13,7 +13,7 @@ from acco_loco.optim import OPTIMIZERS, finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES
 
-from .rules import Check, Choice, Renamed, Rule, boolean, choice, integer, is_int, number, optional, setting
+from .rules import Check, Choice, Rule, boolean, choice, integer, is_int, number, optional, setting
 from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
 MODEL_SHARDINGS = ("none", "node")
@@ -109,7 +109,7 @@ class AccumulationConfig:
                                         "one in flight is done)")
 
     RULES: ClassVar[dict[str, Rule]] = {
-        "mode": Renamed(ACCUMULATION_MODES, {"adaptive": "grow"}),
+        "mode": choice(ACCUMULATION_MODES),
         "global_micro_batches": optional(integer(1), "micro_batches per worker and round"),
         "balance": choice(BALANCES),
         "micro_batches": integer(1),

@@ -127,10 +127,6 @@ def cpu_testbed(rate_bps: float, samples_per_s: float, constants: dict | None = 
                     transport_s_per_byte=c["transport_s_per_byte"][cls], compute_inflation=c["compute_inflation"])
 
 
-def with_rates(hw: Hardware, **kw) -> Hardware:
-    return replace(hw, **kw)
-
-
 def _interpolate_log(table: dict, x: float) -> float:
     """Piecewise linear in log(x) between the measured rates, constant beyond them."""
     import math

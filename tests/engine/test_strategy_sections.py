@@ -18,7 +18,7 @@ import pytest
 
 import engine.strategies as registry
 from engine import Engine, EngineConfig
-from engine.config import config_layout, describe_settings
+from engine.config import config_schema, describe_settings
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def toy():
 
 # ------------------------------------------------------------------------ the registered sections
 def test_outer_and_onebit_are_sections_beside_their_strategies():
-    lay = config_layout()
+    lay = config_schema()
     assert lay.strategy_sections == ("outer", "diloco", "sparseloco", "onebit", "acco")
     for name in lay.strategy_sections:
         assert lay.sections[name].__module__ == f"engine.strategies.{name}_config"
@@ -65,15 +65,13 @@ def test_outer_and_onebit_are_sections_beside_their_strategies():
     assert "OuterConfig" not in (ROOT / "engine" / "config.py").read_text()
 
 
-def test_a_checkpoint_config_of_the_shared_outer_section_still_loads():
-    """Earlier releases kept diloco's and sparseloco's own settings in the ``outer`` section."""
-    old = EngineConfig(strategy="sparseloco").to_dict()
+def test_a_config_with_settings_in_a_section_that_does_not_hold_them_is_refused():
+    """diloco's settings live in the ``diloco`` section: put in ``outer`` they are named as unknown
+    there (no shim moves them: the configuration must say what it means)."""
+    old = EngineConfig(strategy="diloco").to_dict()
     old["outer"].update(old.pop("diloco"))
-    then = ("topk_density", "topk_chunk", "topk_value_bits", "sparse_error_beta", "sparse_aggregate")  # no later ones
-    old["outer"].update({**{k: v for k, v in old.pop("sparseloco").items() if k in then}, "topk_chunk": 64})
-    cfg = EngineConfig.from_dict(old)
-    assert cfg.topk_chunk == 64 and cfg.sparseloco.topk_chunk == 64 and cfg.outer_momentum == 0.9
-    assert cfg.topk_layout == "flat"  # settings added since take their defaults
+    with pytest.raises(ValueError, match=r"unknown OuterConfig fields \['outer_momentum'"):
+        EngineConfig.from_dict(old)
 
 
 def test_section_files_import_neither_torch_nor_the_runtime():
@@ -118,7 +116,7 @@ def test_defaults_of_an_unread_section_are_fine_and_reads_are_accepted():
 
 # ------------------------------------------------------------------------ a toy strategy section
 def test_a_registered_section_gets_flat_keywords_rules_and_round_trips(toy):
-    assert "toy" in config_layout().strategy_sections and "toy_factor" in EngineConfig.field_names()
+    assert "toy" in config_schema().strategy_sections and "toy_factor" in EngineConfig.field_names()
     cfg = EngineConfig(strategy="toy_zero1", toy_factor=0.5)
     assert (cfg.toy_factor, cfg.toy.toy_factor, cfg.toy_mode) == (0.5, 0.5, "plain")
     assert EngineConfig(strategy="toy_zero1", toy={"toy_mode": "fancy"}).toy_mode == "fancy"
