@@ -108,7 +108,7 @@ def parse_grad_codec(name: str) -> GradCodecSpec | None:
 @dataclass(frozen=True)
 class CodecChoice:
     """A (gradient codec, parameter codec) pair, parsed once: what the engine builds from it
-    (engine/collectives.py), what it needs of the shard size and what the planner counts."""
+    (engine/parallel/collectives.py), what it needs of the shard size and what the planner counts."""
 
     grad: GradCodecSpec | None  # None: the gradient goes at the compute dtype
     param: str  # a PARAM_CODECS name
@@ -142,7 +142,7 @@ class CodecChoice:
         return ([] if wire is None else [wire.group_size]) + ([self.group_size] if self.param_deltas else [])
 
     def unit(self, align: int) -> int:
-        """The piece each rank's shard is a multiple of (engine/context.py pads to it)."""
+        """The piece each rank's shard is a multiple of (engine/core/context.py pads to it)."""
         import math
 
         return math.lcm(align, *self.groups())

@@ -1,5 +1,5 @@
 """bf16 against fp32 accumulation of the gradient across micro-batches, the engine's two
-``grad_dtype`` settings (engine/grad_dtype.py): ``compute`` sums a bf16 model's micro-batches in
+``grad_dtype`` settings (engine/core/dtypes.py): ``compute`` sums a bf16 model's micro-batches in
 bf16 (each parameter's ``.grad``), ``float32`` (auto's choice for bf16) adds each micro-batch's
 bf16 gradient into an fp32 buffer. The same tiny GPT-2 (2 layers, width 64) on README.md's bytes,
 the same micro-batches, bf16 parameters, zero1 at world size 1 (fp32 master, AdamW); held-out
@@ -21,8 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineConfig  # noqa: E402
-from lm.data import (ByteTokenizer, TokenBatches, eval_batches, eval_loss, hf_lm_loss,  # noqa: E402
-                     load_text_documents, split_heldout, tokenize_documents)
+from lm.data import (  # noqa: E402
+    ByteTokenizer,
+    TokenBatches,
+    eval_batches,
+    eval_loss,
+    hf_lm_loss,
+    load_text_documents,
+    split_heldout,
+    tokenize_documents,
+)
 from lm.models import tiny_gpt2  # noqa: E402
 
 SEQ, MB = 64, 4

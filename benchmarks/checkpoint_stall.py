@@ -4,11 +4,17 @@ periodic save (PeriodicSaver.save), the median step, and what close() waits for 
 
     python benchmarks/checkpoint_stall.py
 """
-import os, sys, time, tempfile
+import os
+import sys
+import tempfile
+import time
+
 sys.path.insert(0, os.getcwd())
 import torch
+
 from engine import Engine, EngineConfig
-from engine.checkpoint_periodic import PeriodicSaver
+from engine.checkpoint.periodic import PeriodicSaver
+
 torch.manual_seed(0)
 def model():
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ import psutil  # installed with accelerate
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.local_group import free_port  # noqa: E402
+from engine.parallel.local_group import free_port  # noqa: E402
 
 RECIPE = REPO / "recipes" / "finetune.py"
 NODES = 3

@@ -71,10 +71,10 @@ def nccl_world1(args) -> dict:
     stream, as async works; then the abort that ends a lost peer's collectives."""
     import torch.distributed as dist
 
-    from engine import host
-    from engine.comm import prepare_backend
-    from engine.local_group import free_port
-    from engine.streams import CommWorker
+    from engine.parallel.comm import prepare_backend
+    from engine.parallel.local_group import free_port
+    from engine.runtime import host
+    from engine.runtime.streams import CommWorker
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -134,7 +134,7 @@ def _gloo_pair_worker(rank: int, world: int, device: str, steps: int):
 def gloo_pair(args) -> dict:
     """Two processes share the GPU over a gloo group (NCCL refuses one GPU twice): CUDA compute,
     the comm stream, and the multi-rank compressed path (ACCO, loco4 gradients, int8 parameters)."""
-    from engine.local_group import spawn
+    from engine.parallel.local_group import spawn
 
     steps = 4
     a, b = spawn(_gloo_pair_worker, 2, args.device, steps, timeout=args.part_limit_s)
@@ -185,7 +185,7 @@ def sync_debug(args) -> dict:
     return {"ok": all(r["steps"] == steps for r in out.values()), "strategies": out,
             "meets_target": all(r["syncs"] == 0 for r in out.values()),
             "target": "no blocking call while training (compile-time reads by Inductor counted apart)",
-            "note": "a round's two sanctioned reads (engine/host.py) are asynchronous copies + event polls, "
+            "note": "a round's two sanctioned reads (engine/runtime/host.py) are asynchronous copies + event polls, "
                     "which the debug mode does not count; what it counts is a blocking call"}
 
 
@@ -492,10 +492,10 @@ def model_sharding(args) -> dict:
     finite and falling; on CUDA the bytes per parameter held after the steps
     (``memory_allocated``) against the planner's formula for node sharding
     (engine/planner/memory.py ``node_sharded_bytes``: held after a step, no round temporaries),
-    and FSDP2's unsharded blocks freed (engine/memory_accounting.py ``fsdp_unsharded_bytes``)."""
+    and FSDP2's unsharded blocks freed (engine/runtime/memory_accounting.py ``fsdp_unsharded_bytes``)."""
     from engine import Engine, EngineConfig
-    from engine.memory_accounting import engine_held_bytes, fsdp_unsharded_bytes
     from engine.planner.memory import node_sharded_bytes
+    from engine.runtime.memory_accounting import engine_held_bytes, fsdp_unsharded_bytes
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"

@@ -57,8 +57,16 @@ class QualityConfig:
 def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
 
     from engine import Engine, EngineConfig
-    from lm.data import (ByteTokenizer, TokenBatches, eval_batches, eval_loss, hf_lm_loss,
-                             load_text_documents, split_heldout, tokenize_documents)
+    from lm.data import (
+        ByteTokenizer,
+        TokenBatches,
+        eval_batches,
+        eval_loss,
+        hf_lm_loss,
+        load_text_documents,
+        split_heldout,
+        tokenize_documents,
+    )
     from lm.models import tiny_gpt2
 
     qc = QualityConfig(**qc_dict)
@@ -93,7 +101,7 @@ def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
 
 def run_mode(mode: str, qc: QualityConfig, timeout: float | None = None) -> dict:
     """Train one mode at qc.world ranks; summary dict (rank 0's view, wire bytes of rank 0)."""
-    from engine.local_group import spawn
+    from engine.parallel.local_group import spawn
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose from {sorted(MODES)}")

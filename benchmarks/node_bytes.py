@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from engine.topology import Layout
+from engine.parallel.topology import Layout
 
 FP32 = 4
 
@@ -57,7 +57,7 @@ R_TOPK = topk_ratio()
 
 
 # each: bytes through one node's link (as a multiple of the exchange's size X = 1), on the one
-# Layout (engine/topology.py: M nodes of G ranks)
+# Layout (engine/parallel/topology.py: M nodes of G ranks)
 def ring_all_reduce(lay: Layout) -> float:
     n = lay.world
     return 2 * (n - 1) / n if lay.nodes > 1 else 0.0

@@ -32,13 +32,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.shaping import LinkSpec  # noqa: E402
 from benchmarks.netns import exit_unless_testbed  # noqa: E402
+from benchmarks.plan_validate import RESULTS  # noqa: E402
+from benchmarks.shaping import LinkSpec  # noqa: E402
 from benchmarks.testbed import Testbed  # noqa: E402
-from engine.local_group import free_port  # noqa: E402
+from engine.parallel.local_group import free_port  # noqa: E402
 from engine.planner.modes import Mode  # noqa: E402
 from engine.planner.quality import bench_name, first_crossing, results_doc, run_factor  # noqa: E402
-from benchmarks.plan_validate import RESULTS  # noqa: E402
 
 # the matched-batch (B = 16, 2x1) JSONs of each rate: first the runs made for this check on this
 # machine (every mode the planner ranks, side by side), then the earlier ones, made on a CPU 1.67x

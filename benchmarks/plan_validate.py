@@ -19,12 +19,12 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.parallel.topology import Layout
 from engine.planner.hardware import cpu_testbed
 from engine.planner.modes import Mode
 from engine.planner.shape import ModelShape
 from engine.planner.timeline import Batch, step_time
 from engine.planner.wire import WireSettings, step_bytes
-from engine.topology import Layout
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the repository's benchmark JSONs
 

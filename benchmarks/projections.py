@@ -7,13 +7,13 @@ against published figures.
 
 from __future__ import annotations
 
+from engine.parallel.topology import Layout
 from engine.planner.hardware import gpu
 from engine.planner.modes import Mode
 from engine.planner.recommend import make_plan
 from engine.planner.shape import PRESETS, from_shape
 from engine.planner.timeline import Batch, step_time
 from engine.planner.wire import WireSettings
-from engine.topology import Layout
 
 from .plan_validate import RESULTS
 

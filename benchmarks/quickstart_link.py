@@ -30,10 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.shaping import LinkSpec  # noqa: E402
 from benchmarks.netns import exit_unless_testbed  # noqa: E402
+from benchmarks.shaping import LinkSpec  # noqa: E402
 from benchmarks.testbed import Testbed  # noqa: E402
-from engine.local_group import free_port  # noqa: E402
+from engine.parallel.local_group import free_port  # noqa: E402
 
 
 def run_recipe(rate: str, steps: int, extra: list[str], out: Path, prefix: str, timeout_s: float) -> dict:

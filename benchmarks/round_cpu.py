@@ -3,7 +3,7 @@
     python benchmarks/round_cpu.py [--rounds 24] [--modes acco+loco4+int4params,acco,zero1]
                                    [--profile] [--json OUT.json] [--compare BEFORE.json]
 
-Spawns a real 2-process gloo group on this machine (engine/local_group.py), builds the
+Spawns a real 2-process gloo group on this machine (engine/parallel/local_group.py), builds the
 benchmark's GPT-2 (benchmarks/worker.py build_model/build_data: 6 layers x 256, byte vocab, seq
 128, 4.87M parameters), and trains each mode with fixed accumulation (one micro-batch per worker
 and round), clipping 1.0 and ``record_timeline=True``. After a few warm-up steps it prints, per
@@ -106,14 +106,14 @@ PHASES = ("reduce_scatter", "optimizer", "all_gather")
 # the round's stages as the profile names them: (label, file suffix, function name)
 STAGES = (
     ("run_round (all the comm thread does)", "strategies/sharded.py", "run_round"),
-    ("gradient reduce (encode + all-to-all + decode)", "engine/collectives.py", "reduce"),
-    ("  torch path: compensate + quantize + pack + update", "engine/collectives.py", "encode"),
+    ("gradient reduce (encode + all-to-all + decode)", "engine/parallel/collectives.py", "reduce"),
+    ("  torch path: compensate + quantize + pack + update", "engine/parallel/collectives.py", "encode"),
     ("    error feedback: compensate", "acco_loco/feedback.py", "compensate"),
     ("    error feedback: update", "acco_loco/feedback.py", "update"),
     ("    pack_bits", "acco_loco/bitpack.py", "pack_bits"),
     ("  fused kernel: encode", "acco_loco/kernels.py", "encode"),
-    ("  all_to_all (before: all_to_all_rows)", "engine/comm.py", "all_to_all_rows"),
-    ("  all_to_all pieces started", "engine/comm.py", "all_to_all_start"),
+    ("  all_to_all (before: all_to_all_rows)", "engine/parallel/comm.py", "all_to_all_rows"),
+    ("  all_to_all pieces started", "engine/parallel/comm.py", "all_to_all_start"),
     ("  torch path: decode (owner)", "acco_loco/codecs.py", "decode"),
     ("    unpack_bits", "acco_loco/bitpack.py", "unpack_bits"),
     ("  fused kernel: decode_sum (owner)", "acco_loco/kernels.py", "decode_sum"),
@@ -126,8 +126,8 @@ STAGES = (
     ("parameter all-gather + install, before", "strategies/sharded.py", "gather_and_install"),
     ("gather finished + install (finish_and_install)", "strategies/sharded.py", "finish_and_install"),
     ("  fused kernel: decode_add", "acco_loco/kernels.py", "decode_add"),
-    ("  all_gather (before)", "engine/comm.py", "all_gather"),
-    ("nonfinite checks", "engine/host.py", "nonfinite_rows"),
+    ("  all_gather (before)", "engine/parallel/comm.py", "all_gather"),
+    ("nonfinite checks", "engine/runtime/host.py", "nonfinite_rows"),
 )
 
 
@@ -269,7 +269,7 @@ def _profile_summary(stats, rounds: int) -> dict:
 def run_mode(args, name: str) -> dict:
     """Rank 0's profile (with --profile) beside the last rank's figures (never profiled)."""
     from benchmarks.runner import SAME_MALLOC
-    from engine.local_group import spawn
+    from engine.parallel.local_group import spawn
 
     ranks = spawn(measure, args.workers, vars(args), MODES[name], args.profile, timeout=1800,
                   env=dict(SAME_MALLOC))

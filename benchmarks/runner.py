@@ -25,7 +25,7 @@ from benchmarks.report import aggregate, fmt
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 # Every worker, DDP and compute-only included, runs with the malloc settings the engine applies to
-# itself on CPU (engine/cpu_memory.py): they take ~11% off a forward+backward too, so leaving
+# itself on CPU (engine/runtime/cpu_memory.py): they take ~11% off a forward+backward too, so leaving
 # them to the engine alone would not be a like-for-like comparison.
 SAME_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_MAX_": "0"}
 

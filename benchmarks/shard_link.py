@@ -3,7 +3,7 @@ ranks on the testbed (one network namespace per node, its one veth shaped to --r
 with --model-sharding node against the same run unsharded (the two-level exchange): the same
 strategy, codecs, data, samples and schedule. Reads each run's metrics.jsonl (train and held-out
 loss at equal samples, the engine's bytes across nodes per rank), memory.json (what each rank
-holds after training: engine/memory_accounting.py's categories, resident and peak memory) and
+holds after training: engine/runtime/memory_accounting.py's categories, resident and peak memory) and
 each node's veth counters over the training window (polled), beside the planner's formula
 (engine/planner/memory.py) for the same shape and layout.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.netns import exit_unless_testbed  # noqa: E402
 from benchmarks.shaping import LinkSpec  # noqa: E402
 from benchmarks.testbed import Testbed  # noqa: E402
-from engine.local_group import free_port  # noqa: E402
+from engine.parallel.local_group import free_port  # noqa: E402
 
 NODES, RANKS_PER_NODE = 2, 2
 SMOLLM2_LAYERS = 30

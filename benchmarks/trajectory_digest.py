@@ -1,10 +1,15 @@
 """Trajectory digest: losses, grad norms, bytes and final parameters' sha256 of many configs at
 fixed seeds (2 workers, flat; 4 workers as 2x2 nodes), to check a refactor is bit for bit."""
-import hashlib, json, sys, os
+import hashlib
+import json
+import os
+import sys
+
 sys.path.insert(0, os.getcwd())
 import torch
+
 from engine import Engine, EngineConfig, GlobalBatches
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 K, STEPS = 2, 9

@@ -59,15 +59,15 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
     and param_codec, the AutoChoice that says why)."""
     if cfg.strategy != "auto":
         return cfg, None
+    from .core.dtypes import resolve_compute_dtype
+    from .parallel.topology import Layout
     from .planner.hardware import cpu_testbed, gpu
     from .planner.modes import CODEC_VARIANTS, Mode
     from .planner.probe import model_step, probe_cluster, time_compute
     from .planner.recommend import TIE, simplicity
     from .planner.shape import ModelShape
     from .planner.timeline import Batch, step_time
-    from .grad_dtype import resolve_compute_dtype
     from .planner.wire import WireSettings
-    from .topology import Layout
 
     params = [p for p in model.parameters() if p.requires_grad]
     device, rank, world = dims.device, dims.rank, dims.world

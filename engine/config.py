@@ -17,16 +17,22 @@ from typing import Any, NamedTuple
 from acco_loco.optim import OptimizerSpec
 from acco_loco.schedule import validate_schedule
 
-from .grad_dtype import GRAD_DTYPE_NODE_REFUSED
+from .core.dtypes import GRAD_DTYPE_NODE_REFUSED
 from .rules import Check, Choice, Rule, choice, integer, is_int, setting
-from .sections import (AccumulationConfig, CommunicationConfig, LayoutConfig, OptimizerConfig, RuntimeConfig,
-                       ScheduleConfig)
+from .sections import (
+    AccumulationConfig,
+    CommunicationConfig,
+    LayoutConfig,
+    OptimizerConfig,
+    RuntimeConfig,
+    ScheduleConfig,
+)
 from .strategies import SECTIONS as STRATEGY_SECTIONS
 from .strategies import STRATEGIES, section_class, section_readers, sections_read, strategy_class
 
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-GRAD_DTYPES = ("auto", "float32", "compute")  # engine/grad_dtype.py resolves them
+GRAD_DTYPES = ("auto", "float32", "compute")  # engine/core/dtypes.py resolves them
 SEED_LIMIT = 2**32  # the codec generators seed with seed * 65537 + rank, which must fit 64 bits
 
 # Fields that decide the trajectory's structure: a checkpoint refuses to resume under others.
@@ -213,7 +219,7 @@ class EngineConfig:
 
     def check_model_sharding(self) -> None:
         """model_sharding='node' needs the node layout and a strategy whose rounds work on local
-        shards (engine/sharding.py); the strategy "auto" is checked once it has resolved."""
+        shards (engine/parallel/sharding.py); the strategy "auto" is checked once it has resolved."""
         if self.model_sharding == "none":
             return
         if self.grad_dtype == "float32" and self.compute_dtype == "bfloat16":

@@ -17,30 +17,30 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_load
-from .agreement import check_agreement
 from .auto import choose_strategy
-from .batching import Accumulation
-from .checkpoint import CheckpointWriter
-from .checkpoint_periodic import PeriodicSaver
-from .clock import make_clock
-from .comm import default_store
+from .batch.accumulation import Accumulation
+from .batch.dealing import deal
+from .checkpoint import load as checkpoint_load
+from .checkpoint.periodic import PeriodicSaver
+from .checkpoint.rank_state import gather_state, restore_state
+from .checkpoint.reshard import recut
+from .checkpoint.writer import CheckpointWriter
 from .config import EngineConfig
-from .context import build_context, start_process_group, trainable_parameters
-from .dealing import deal
+from .core.context import build_context, start_process_group, trainable_parameters
+from .core.counters import EngineState
+from .core.loss import LossFn, batch_size, checked_loss, default_loss
+from .core.run import RunState
+from .core.step_result import StepResult
 from .loops.parts import LoopParts
-from .loss import LossFn, batch_size, checked_loss, default_loss
+from .parallel.agreement import check_agreement
+from .parallel.comm import default_store
 from .parallel.dims import ParallelDims
-from .placement import Placement
-from .progress import progress_bar
-from .reshard import recut
-from .run_state import RunState
-from .state import EngineState
-from .step_result import StepResult
+from .runtime.clock import make_clock
+from .runtime.placement import Placement
+from .runtime.progress import progress_bar
+from .runtime.streams import CommWorker
+from .runtime.watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 from .strategies import make_strategy
-from .streams import CommWorker
-from .training_state import gather_state, restore_state
-from .watchdog import EXIT_ERROR, EXIT_PEER, Watchdog, WorkerLostError
 
 _END = object()
 
@@ -77,7 +77,7 @@ class Engine:
 
         self.state = EngineState()  # counters and the pending accumulator: saved by save()
         self.state.start_accumulator(device)
-        # history, round counts, timeline, comm CPU, the loop's end: not saved (engine/run_state.py)
+        # history, round counts, timeline, comm CPU, the loop's end: not saved (engine/core/run.py)
         self.run = RunState(rank, self.dims.counter, cfg.record_timeline, cfg.max_steps)
         # grow on CPU with overlap: the comm side's CPU per round sets a floor on the
         # micro-batches per round (zero1 has nothing to overlap: grow is fixed there)
@@ -85,7 +85,7 @@ class Engine:
                                          lockstep=self.dims.layout.ranks_per_node if cfg.model_sharding == "node" else 1)
         writer = CheckpointWriter(self.dims.comm("control"), device, self.watchdog, model, cfg, self.loss_fn,
                                   self.state_dict, self.state)
-        self.saver = PeriodicSaver(writer, cfg)  # save(), and checkpoint_every(_s) (engine/checkpoint_periodic.py)
+        self.saver = PeriodicSaver(writer, cfg)  # save(), and checkpoint_every(_s) (engine/checkpoint/periodic.py)
         self.parts = LoopParts(cfg=cfg, ctx=self.ctx, strategy=self.strategy, worker=self.worker,
                                accumulation=self.accumulation, state=self.state, run=self.run,
                                saver=self.saver, watchdog=self.watchdog, device=device)
@@ -114,7 +114,7 @@ class Engine:
 
         ``batches`` are this worker's micro-batches (after a resume, from index ``engine.consumed``
         on), or one ``GlobalBatches`` stream that every rank passes alike under a global batch: the
-        engine deals each worker its share (engine/dealing.py), and a resumed run passes the same
+        engine deals each worker its share (engine/batch/dealing.py), and a resumed run passes the same
         stream again. ``steps`` stops this call after that many more committed steps (every rank
         passes the same); the lr schedule keeps ``cfg.max_steps`` as its horizon, so fitting in
         pieces follows the trajectory of one call. Returns one dict per committed step of this call.
@@ -230,7 +230,7 @@ class Engine:
     def load(cls, directory: str, model: torch.nn.Module, cfg: EngineConfig | None = None,
              loss_fn: LossFn | None = None, *, max_steps: int | None = None) -> "Engine":
         """Build an engine from a checkpoint written by ``save`` (at this or another world size:
-        engine/reshard.py re-cuts the state). ``max_steps`` sets a new horizon for the resumed run
+        engine/checkpoint/reshard.py re-cuts the state). ``max_steps`` sets a new horizon for the resumed run
         (it must lie beyond the saved step)."""
         opened = checkpoint_load.open_checkpoint(directory, model, cfg, loss_fn, max_steps)
         try:
@@ -281,7 +281,7 @@ class Engine:
 
     def _micro_batch_timed(self, round_index: int, t0: float, t1: float) -> None:
         """A micro-batch's time, once known (at once on CPU; on a GPU when its end event is
-        reached, so a time may count towards the round after its own: engine/clock.py)."""
+        reached, so a time may count towards the round after its own: engine/runtime/clock.py)."""
         self.accumulation.pacer.on_micro_batch(t1 - t0)
         self.loop.on_micro_batch(t1 - t0)
         self.run.computed(t0, t1, round_index)

@@ -23,14 +23,14 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from .parallel.topology import Layout
+from .planner.fit import CHECKPOINTING
 from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, cpu_testbed, gpu
 from .planner.modes import candidates
-from .planner.fit import CHECKPOINTING
 from .planner.recommend import format_plan, make_plan
 from .planner.shape import PRESETS, from_shape, from_transformers
 from .planner.timeline import Batch
 from .planner.wire import WireSettings
-from .topology import Layout
 
 DEFAULT_RESULTS = Path("docs") / "results"  # relative to the current directory
 

@@ -9,12 +9,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from acco_loco.optim import OPTIMIZERS, finite_number as _finite
+from acco_loco.optim import OPTIMIZERS
+from acco_loco.optim import finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES
 
+from .parallel.topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 from .rules import Check, Choice, Rule, boolean, choice, integer, is_int, number, optional, setting
-from .topology import TOPOLOGIES  # names only: a strategy's module loads when first used
 
 MODEL_SHARDINGS = ("none", "node")
 
@@ -102,7 +103,7 @@ class AccumulationConfig:
                                  "global_micro_batches), or the minimum per round (grow)")
     max_micro_batches: int | None = setting(None, "grow: the most micro-batches per round; none = no cap")
     # grow, CPU: raise the minimum per round so that the comm side's CPU per round stays
-    # below this fraction of the round's compute (engine/pacing.py)
+    # below this fraction of the round's compute (engine/batch/pacing.py)
     max_round_overhead: float = setting(0.15, "grow on CPU (acco, dpu): raise the minimum micro-batches "
                                         "per round until the comm side's CPU per round is at most this "
                                         "fraction of the round's compute (0 = off: rounds end when the "
@@ -154,7 +155,7 @@ class CommunicationConfig:
 
 @dataclass
 class LayoutConfig:
-    """Where the ranks sit and which exchange runs over them (engine/topology.py)."""
+    """Where the ranks sit and which exchange runs over them (engine/parallel/topology.py)."""
 
     topology: str = setting("auto", "auto = two-level when the run has at least 2 nodes of at least 2 ranks "
                             "(a full-precision reduce-scatter inside each node, then only the node's sum "
@@ -194,7 +195,7 @@ class RuntimeConfig:
     progress: bool = setting(False, "a progress bar on rank 0")
     record_timeline: bool = setting(False, "per-round timestamps in engine.timeline")
     poison_freed_buffers: bool = setting(False, "debug: NaN-fill gradient buffers once released")
-    keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/cpu_memory.py)")
+    keep_cpu_memory: bool = setting(True, "CPU: glibc keeps freed memory (engine/runtime/cpu_memory.py)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "timeout_s": number(0, low_open=True),

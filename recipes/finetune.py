@@ -18,7 +18,7 @@ Output directory (``--output-dir``, OUT below):
     OUT/metrics.jsonl        one line per committed step (every worker's micro-batches and wire
                              bytes), plus ``"kind": "eval"`` lines with held-out loss/perplexity
     OUT/loss.png             train/eval loss against samples and against wall time
-    OUT/memory.json          what each rank holds after training (engine/memory_accounting.py's
+    OUT/memory.json          what each rank holds after training (engine/runtime/memory_accounting.py's
                              categories), its resident and peak memory
     OUT/checkpoints/         engine checkpoints step-NNNNNNNN (one file per rank) + ``latest``
     OUT/model/               the final model, ``from_pretrained``-loadable safetensors
@@ -48,9 +48,10 @@ if str(REPO) not in sys.path:  # `accelerate launch recipes/finetune.py` from a 
     sys.path.insert(0, str(REPO))
 
 from engine import Engine, EngineConfig, GlobalBatches  # noqa: E402
-from engine import checkpoint as ckpt  # noqa: E402
-from engine.comm import prepare_backend  # noqa: E402
+from engine.checkpoint.load import resolve as resolve_checkpoint  # noqa: E402
+from engine.checkpoint.peers import LATEST  # noqa: E402
 from engine.config import Setting, describe_settings  # noqa: E402
+from engine.parallel.comm import prepare_backend  # noqa: E402
 from lm.data import (  # noqa: E402
     ByteTokenizer,
     TokenBatches,
@@ -289,7 +290,7 @@ def resolve_compute_dtype(cfg: FinetuneConfig, device: torch.device) -> str:
 def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     """Refuse a --resume without a checkpoint, and a checkpoint written under another config."""
     ckpt_root = out / "checkpoints"
-    has_ckpt = (ckpt_root / ckpt.LATEST).is_file()
+    has_ckpt = (ckpt_root / LATEST).is_file()
     saved_file = out / "config.json"
     if cfg.resume and not has_ckpt and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # with several workers a rank whose own disk lacks it gets it from its peers at load
@@ -414,12 +415,12 @@ def export_model(cfg: FinetuneConfig, model, tokenizer, path: Path, main: bool) 
 
 
 def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
-    """OUT/memory.json: per rank, what it holds after training (engine/memory_accounting.py:
+    """OUT/memory.json: per rank, what it holds after training (engine/runtime/memory_accounting.py:
     the unique tensor storages of the model and the engine, by category), its resident memory now
     and at its peak, and on a GPU the allocator's peak. Every rank calls it (one gather)."""
     import resource
 
-    from engine.memory_accounting import held_bytes
+    from engine.runtime.memory_accounting import held_bytes
 
     mine = {"held_bytes": held_bytes(engine.model, engine.ctx, engine.strategy),
             "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -464,7 +465,7 @@ def plot(metrics_file: Path, png: Path) -> None:
 def make_accelerator(cfg: FinetuneConfig, out: Path):
     """accelerate starts the processes and the trackers; it never wraps the model. Its process
     group gets the engine's timeout: under NCCL the backstop beyond the engine's own diagnosis
-    (engine/comm.py NCCL_BACKSTOP), so that NCCL's watchdog does not end the process at the
+    (engine/parallel/comm.py NCCL_BACKSTOP), so that NCCL's watchdog does not end the process at the
     moment the engine would name the lost peer."""
     from accelerate import Accelerator, InitProcessGroupKwargs
     from accelerate.utils import ProjectConfiguration
@@ -533,7 +534,7 @@ def start_engine(cfg: FinetuneConfig, model, ecfg: EngineConfig, out: Path, main
     if main and len(kept) != len(previous):
         metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     prev_train = [r for r in kept if r.get("kind") == "train"]
-    say(f"resumed at step {engine.step} from {ckpt.resolve(ckpt_root)} at {engine.world_size} worker(s) "
+    say(f"resumed at step {engine.step} from {resolve_checkpoint(ckpt_root)} at {engine.world_size} worker(s) "
         f"(this worker consumed {engine.consumed} micro-batches)")
     if main:
         say(work_lost(previous, engine.step))
@@ -572,7 +573,7 @@ def elastic_restart(cfg: FinetuneConfig, out: Path, group=None) -> FinetuneConfi
     on an NCCL group fails)."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or cfg.resume:
         return cfg
-    has = torch.tensor([int((out / "checkpoints" / ckpt.LATEST).is_file())])
+    has = torch.tensor([int((out / "checkpoints" / LATEST).is_file())])
     if group is not None:
         dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     return dataclasses.replace(cfg, resume=True) if has.item() else cfg
@@ -662,7 +663,7 @@ class RunLog:
 
 def engine_data(engine: Engine, stream: TokenBatches):
     """Under a global batch, one stream of the whole data dealt out by the engine (whatever the
-    shares, step t trains on the same micro-batches: engine/dealing.py); otherwise this worker's
+    shares, step t trains on the same micro-batches: engine/batch/dealing.py); otherwise this worker's
     own stream, from where a resumed run stopped."""
     if engine.cfg.global_micro_batches is not None and not engine.plan.local_steps:
         whole = TokenBatches(stream.tokens, stream.seq_len, stream.micro_batch_size, seed=stream.seed,

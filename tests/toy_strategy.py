@@ -19,8 +19,8 @@ import math
 import torch
 
 from acco_loco.acco import RoundKind, RoundPlan
+from engine.core.rounds import RoundContext, RoundRequest, RoundResult
 from engine.loops.base import RoundLoop
-from engine.rounds import RoundContext, RoundRequest, RoundResult
 from engine.strategies.base import Strategy
 from engine.strategies.spec import ALIGN, MemorySpec, StrategySpec, padded, small_bytes
 from engine.strategies.zero1 import Zero1

@@ -14,9 +14,9 @@ import logging
 import time
 from functools import partial
 
-from ..rounds import RoundRequest, RoundResult
-from ..streams import RoundHandle
-from ..watchdog import may_be_peer_failure
+from ..core.rounds import RoundRequest, RoundResult
+from ..runtime.streams import RoundHandle
+from ..runtime.watchdog import may_be_peer_failure
 from .parts import LoopParts
 
 log = logging.getLogger("acco_loco")

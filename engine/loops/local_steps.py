@@ -13,8 +13,8 @@ import torch
 
 from acco_loco.acco import RoundKind
 
-from ..rounds import RoundRequest
-from ..streams import RoundHandle
+from ..core.rounds import RoundRequest
+from ..runtime.streams import RoundHandle
 from .base import RoundLoop
 from .parts import LoopParts
 

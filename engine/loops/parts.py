@@ -11,16 +11,16 @@ import torch
 if TYPE_CHECKING:  # the types only: the runtime imports stay where they are used
     from acco_loco.acco import RoundPlan
 
-    from ..batching import Accumulation
-    from ..checkpoint_periodic import PeriodicSaver
+    from ..batch.accumulation import Accumulation
+    from ..checkpoint.periodic import PeriodicSaver
     from ..config import EngineConfig
-    from ..flat import FlatParams
-    from ..rounds import RoundContext
-    from ..run_state import RunState
-    from ..state import EngineState
+    from ..core.counters import EngineState
+    from ..core.flat import FlatParams
+    from ..core.rounds import RoundContext
+    from ..core.run import RunState
+    from ..runtime.streams import CommWorker
+    from ..runtime.watchdog import Watchdog
     from ..strategies.base import Strategy
-    from ..streams import CommWorker
-    from ..watchdog import Watchdog
 
 
 @dataclass(frozen=True)

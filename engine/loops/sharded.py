@@ -15,8 +15,8 @@ import torch
 
 from acco_loco.acco import RoundKind
 
-from ..rounds import RoundResult
-from ..streams import RoundHandle
+from ..core.rounds import RoundResult
+from ..runtime.streams import RoundHandle
 from .base import RoundLoop
 from .parts import LoopParts
 

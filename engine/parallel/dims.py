@@ -42,8 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, LinkBytes, backend_for, group_timeout_s
-from ..topology import Layout, check_node_layout, detect_layout, exchange_for, ranks_per_node
+from .comm import Comm, LinkBytes, backend_for, group_timeout_s
+from .topology import Layout, check_node_layout, detect_layout, exchange_for, ranks_per_node
 
 log = logging.getLogger("acco_loco")
 
@@ -171,7 +171,7 @@ class ParallelDims:
 def load_group(world: int, device: torch.device, timeout_s: float | None):
     """A world group of the compute thread's for the one collective step before an engine (and
     its ParallelDims) exists: a checkpoint's files listed and fetched from peers (Engine.load,
-    engine/checkpoint_load.py). The caller destroys it when done."""
+    engine/checkpoint/load.py). The caller destroys it when done."""
     return _new_groups([list(range(world))], dist.get_rank(), backend_for(device), timeout_s)
 
 

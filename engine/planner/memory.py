@@ -9,7 +9,7 @@ optimizer, g = codec group, G = ranks per node:
 
     replicated        16: fp32 parameters, fp32 gradients, AdamW's two moments (torch DDP, AMP)
     sharded           ``held_bytes``: every tensor the engine keeps after a step, by the categories
-                      engine/memory_accounting.py measures, and the largest set of temporaries a
+                      engine/runtime/memory_accounting.py measures, and the largest set of temporaries a
                       round makes (tests/engine/test_memory_accounting.py holds the two against
                       each other). S = P/N the owned shard, V the values the inter-node codec sees
                       (P flat, P/G two-level), c pieces (``Comm.pieces``), w a cast gather's bytes:
@@ -21,7 +21,7 @@ optimizer, g = codec group, G = ranks per node:
                         (1 + 1/N)(b/8 + 4/g) V/P   b-bit parameter deltas: send and receive
                         2w/(N c), 2w/c  a cast gather in pieces or to another dtype (one piece in
                                        the held dtype goes straight into the gathered buffer)
-                        (4 + e)/G + e/M   two-level: the node's level (engine/two_level.py)
+                        (4 + e)/G + e/M   two-level: the node's level (engine/parallel/two_level.py)
                         8 to 16 per value of a piece   a round's temporaries; a piece is at most
                                        MAX_PIECE_VALUES values of all ranks, so on a large model
                                        the cast buffers and the temporaries are constants
@@ -43,13 +43,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.parallel.topology import Layout
 from engine.strategies.spec import MemorySpec, WireSettings
-from engine.topology import Layout
 
 from .modes import Mode
 from .shape import ModelShape
 
-MAX_PIECE_VALUES = 1 << 24  # engine/comm.py's: a piece of all ranks' shards together
+MAX_PIECE_VALUES = 1 << 24  # engine/parallel/comm.py's: a piece of all ranks' shards together
 # a round's temporaries per value (the torch path: what a GPU runs; measured by
 # tests/engine/test_memory_accounting.py): the optimizer's piece (its gradient and Adam's
 # denominator), the compressed reduce-scatter's encode of one destination's piece (the
@@ -86,7 +86,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
                optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
     it keeps between rounds) on an unsharded model, by the
-    categories of engine/memory_accounting.py, plus ``temporaries``: the largest set a round
+    categories of engine/runtime/memory_accounting.py, plus ``temporaries``: the largest set a round
     makes (the torch path; CPU's fused kernels make fewer and keep a shard-long fp32 scratch).
 
     ``params``: the padded trainable values P; ``chunks``: the engine's comm_chunks (resolved);
@@ -134,7 +134,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     else:
         out["comm"] += (shard + values) * (delta_bits / 8 + 4 / g)
     if two_level:
-        # the node's level (engine/two_level.py): the node's fp32 sum of the rank's slice, the
+        # the node's level (engine/parallel/two_level.py): the node's fp32 sum of the rank's slice, the
         # slice of the held parameters, and the pieces of the node reduce-scatter, run once per
         # node's part of the gradient (P/M values: gloo's received rows; NCCL's fp32 piece unless
         # fp32); the node's all-gather writes the held buffer itself
@@ -159,13 +159,13 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
 def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: int = 0, codec: str = "none",
                        param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
                        backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
-    """Bytes one rank of a model_sharding='node' run holds after a step (engine/sharding.py), by
+    """Bytes one rank of a model_sharding='node' run holds after a step (engine/parallel/sharding.py), by
     the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
     in the place of the flat parameters; ``frozen``: this rank's share of the frozen values.
     Without ``overlap`` one buffer holds the gradient and then, once it is reduced, the gathered
     parameters: e per local value for both (with overlap: two gradient buffers and the gathered
-    one, 3e); gradients in the compute dtype (FSDP2's, engine/grad_dtype.py). Not in it: FSDP2's
+    one, 3e); gradients in the compute dtype (FSDP2's, engine/core/dtypes.py). Not in it: FSDP2's
     unsharded blocks while compute runs (``fsdp_block_bytes``)."""
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,

@@ -102,7 +102,7 @@ def _timed(run: Callable[[], None], group, world_group, device, repeats: int) ->
 
 def _pieces(device) -> int:
     """How many async pieces the engine splits a large collective into here (engine.comm)."""
-    from ..comm import AUTO_CHUNKS
+    from ..parallel.comm import AUTO_CHUNKS
 
     return 1 if device.type == "cuda" else AUTO_CHUNKS
 

@@ -1,7 +1,7 @@
 """Bytes per optimizer step, per rank and per link class, from the strategies' own formulas.
 
 A strategy's spec gives one round's bytes per rank over a flat group, by collective
-(engine/strategies/spec.py): the counts are ``Comm``'s (engine/comm.py), built from the codecs'
+(engine/strategies/spec.py): the counts are ``Comm``'s (engine/parallel/comm.py), built from the codecs'
 own ``wire_bytes``, so that they match the engine's counters exactly (docs/design/wire.md,
 the strategies' topic files under docs/). Here they are put on the links
 they cross, the same way for every strategy.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.parallel.topology import Layout
 from engine.strategies.spec import ALIGN, WireSettings, padded, sharded_round_parts
-from engine.topology import Layout
 
 from .modes import Mode
 

@@ -16,7 +16,7 @@ import torch
 from acco_loco import delay
 from acco_loco.acco import KeptHalf, RoundKind, RoundPlan
 
-from ..rounds import RoundContext, RoundRequest
+from ..core.rounds import RoundContext, RoundRequest
 from .base import Recut
 from .sharded import RoundTotals, ShardedStrategy
 

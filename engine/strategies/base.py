@@ -8,15 +8,14 @@ import torch
 
 from acco_loco.acco import RoundPlan
 
-from ..rounds import RoundContext, RoundRequest, RoundResult
-
+from ..core.rounds import RoundContext, RoundRequest, RoundResult
 
 RECUT_RULES = ("shard", "shared", "summed", "local", "step")
 
 
 @dataclass(frozen=True)
 class Recut:
-    """How one tensor of a checkpoint is re-cut for another world size (engine/reshard.py applies
+    """How one tensor of a checkpoint is re-cut for another world size (engine/checkpoint/reshard.py applies
     it; docs/elastic.md, "Checkpoints"):
 
       shard   one piece per owner: concatenated in rank order, re-padded, cut for the new owners
@@ -41,12 +40,12 @@ class Strategy:
     comm thread and touches only ``ctx`` and the strategy's own state)."""
 
     plan: RoundPlan
-    # whether its rounds run the two-level exchange when the layout asks for it (engine/topology.py)
+    # whether its rounds run the two-level exchange when the layout asks for it (engine/parallel/topology.py)
     two_level = False
     # the config sections of engine/strategies/__init__.py SECTIONS that it reads: set away from
     # their defaults under a strategy that does not read them, EngineConfig refuses them
     sections: tuple[str, ...] = ()
-    # why its rounds cannot run on FSDP2's local shards (model_sharding='node', engine/sharding.py);
+    # why its rounds cannot run on FSDP2's local shards (model_sharding='node', engine/parallel/sharding.py);
     # None: they can
     node_sharding_refused: str | None = "its rounds work on the whole parameter buffer"
     # how its checkpointed tensors are re-cut at another world size, by name or by a prefix ending
@@ -86,7 +85,7 @@ class Strategy:
     def initial_values(self, flat, full32: torch.Tensor, rank: int, layout) -> torch.Tensor:
         """The fp32 values this rank's optimizer owns at the start, cut from every replica's
         ``full32`` (the padded flat buffer): its shard by default. ``layout``: the node layout when
-        the exchange is two-level (engine/topology.py), None when it is flat."""
+        the exchange is two-level (engine/parallel/topology.py), None when it is flat."""
         return flat.shard(full32, rank)
 
     def setup(self, ctx: RoundContext) -> None:

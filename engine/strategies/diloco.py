@@ -33,8 +33,8 @@ import torch
 from acco_loco.optim import ShardState
 from acco_loco.outer import outer_sgd_spec, outer_sgd_step
 
-from ..host import host_flag
-from ..rounds import RoundContext
+from ..core.rounds import RoundContext
+from ..runtime.host import host_flag
 from .local_steps import LocalStepStrategy
 from .spec import ALIGN, padded, small_bytes
 

@@ -12,8 +12,8 @@ import torch
 from acco_loco.acco import RoundKind, RoundPlan
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, small_vector, to_host
-from ..rounds import RoundContext, RoundRequest, RoundResult
+from ..core.rounds import RoundContext, RoundRequest, RoundResult
+from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
 
 

@@ -26,9 +26,9 @@ from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_s
 from acco_loco.outer import merge_delayed, pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, small_vector, to_host
-from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
-from ..two_level import slice_of
+from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..parallel.two_level import slice_of
+from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals

@@ -8,7 +8,7 @@ slices are all-gathered inside the node, so every rank of a node holds the node'
 the outer round crosses nodes: each rank exchanges its slice of the node's pseudo-gradient with
 the ranks of the same local rank on the other nodes (its rail), and theta_sync, the outer momentum
 and sparseloco's error live on that slice. A rank's slice is the shards (m, l) of every node m,
-the layout the sharded strategies' two-level exchange uses (engine/two_level.py ``slice_of``).
+the layout the sharded strategies' two-level exchange uses (engine/parallel/two_level.py ``slice_of``).
 
 Two sets of groups (engine/parallel/dims.py): the inner steps run on the compute thread (role
 "node.compute"), the outer round on the comm thread ("node", "rail"), and a process group must
@@ -34,9 +34,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import host
-from ..host import nonfinite_flag, small_vector, to_host
-from ..two_level import gather_slices, slice_of
+from ..parallel.two_level import gather_slices, slice_of
+from ..runtime import host
+from ..runtime.host import nonfinite_flag, small_vector, to_host
 
 
 class NodeReplica:

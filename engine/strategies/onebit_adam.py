@@ -39,9 +39,9 @@ from acco_loco.optim import clip_coefficient
 from acco_loco.registry import WIRE_CODECS
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, to_host
-from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
-from ..two_level import TwoLevelGrads, gather_slices, slice_of
+from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult
+from ..parallel.two_level import TwoLevelGrads, gather_slices, slice_of
+from ..runtime.host import nonfinite_flag, to_host
 from .base import Recut
 from .sharded import ShardedStrategy, agree
 from .spec import ALIGN, MemorySpec, StrategySpec, small_bytes

@@ -8,7 +8,7 @@
 A strategy changes what a round carries in (``carried``: ACCO's kept estimate half) and what it
 keeps for later (``keep``); the rest is here. Skips and stops follow docs/design/rounds.md, "Non-finite gradients and updates".
 
-Pipelining (``comm_chunks`` pieces of the shard, engine/collectives.py): inside the
+Pipelining (``comm_chunks`` pieces of the shard, engine/parallel/collectives.py): inside the
 reduce-scatter, piece k+1 is encoded while piece k is on the wire and piece k-1 is decoded as it
 arrives; after the small all-reduce, the optimizer steps piece k and puts it on the all-gather
 at once, so piece k is on the wire while piece k+1 is being stepped and the pieces already
@@ -38,8 +38,8 @@ from acco_loco.acco import KeptHalf, RoundKind, step_gradient
 from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slice
 from acco_loco.schedule import lr_at
 
-from ..host import nonfinite_flag, small_vector, to_host
-from ..rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Strategy
 from .spec import MemorySpec, StrategySpec, sharded_round_parts, sharded_work
 
@@ -63,7 +63,7 @@ class RoundTotals:
 
 
 class ShardedStrategy(Strategy):
-    two_level = True  # its reducer and gatherer take the node's level first (engine/two_level.py)
+    two_level = True  # its reducer and gatherer take the node's level first (engine/parallel/two_level.py)
     node_sharding_refused = None  # its round runs on a rail's local-shard buffer as on a flat one
     kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
     quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
@@ -148,7 +148,7 @@ class ShardedStrategy(Strategy):
 def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: torch.Tensor,
           kept: KeptHalf | None) -> RoundTotals:
     """One small all-reduce carries counts, loss, the squared norm, every rank's flags and
-    seconds per micro-batch; it is the round's one host read (engine/host.py)."""
+    seconds per micro-batch; it is the round's one host read (engine/runtime/host.py)."""
     n, rank = ctx.comm.world_size, ctx.comm.rank
     values: list = [req.count, req.samples, req.loss_sum, torch.dot(step_sum, step_sum)] + [0.0] * (3 * n)
     values[4 + rank] = float(req.exhausted)  # (the dot in fp32: one pass, no temporary)

@@ -28,17 +28,17 @@ The overlapped variant merges one round later, exactly as in diloco.py.
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from acco_loco.outer import accumulate_error, sparse_outer_step
 from acco_loco.registry import PSEUDO_GRAD_CODECS
 from acco_loco.tiled_topk import TiledTopK, tensor_segments
 from acco_loco.topk_codec import TopKCodec, aggregate
 
-from ..host import host_flag
-from ..rounds import RoundContext
+from ..core.rounds import RoundContext
+from ..runtime.host import host_flag
 from .local_steps import LocalStepStrategy
 from .spec import ALIGN, padded, small_bytes
 

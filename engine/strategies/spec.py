@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..grad_dtype import grad_buffers_fp32, gradient_travels_uncompressed
+from ..core.dtypes import grad_buffers_fp32, gradient_travels_uncompressed
 
 ALIGN = 128  # EngineConfig.align
 
@@ -42,12 +42,12 @@ class WireSettings:
     topk_chunk: int = 4096
     topk_bits: int = 2
     pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
-    grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/grad_dtype.py): auto | float32 | compute
+    grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/core/dtypes.py): auto | float32 | compute
 
     def grad_bytes(self, mode) -> int:
         """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,
         codec and strategy), which an uncompressed gradient also travels in (the engine's rule,
-        engine/grad_dtype.py)."""
+        engine/core/dtypes.py)."""
         fp32 = grad_buffers_fp32(self.grad_dtype, self.compute_bytes == 4, mode.sharding == "node",
                                  gradient_travels_uncompressed(mode.codec, mode.local_steps))
         return 4 if fp32 else self.compute_bytes
@@ -91,7 +91,7 @@ class StrategySpec:
 
 
 def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:
-    """One round of the sharded exchange (engine/comm.py, docs/design/wire.md and zero1.md), per rank, S =
+    """One round of the sharded exchange (engine/parallel/comm.py, docs/design/wire.md and zero1.md), per rank, S =
     P / N of the padded buffer: reduce-scatter (N-1) S e_g (e_g the gradient's bytes, ``grad_bytes``),
     or (N-1)(wire_bytes(S) + 4) under a gradient codec (+ its 4-byte count weight); all-gather
     (N-1) S e_p, or (N-1) wire_bytes(S) of low-bit deltas; the small all-reduce of 4 + 3N values."""

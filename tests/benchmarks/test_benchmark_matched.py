@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from acco_loco.schedule import lr_at
-from benchmarks.modes import (BENCHMARK_MODES, DEFAULT_MODES, MODES, BatchError, matched_batch,
-                              matched_schedule)
+from benchmarks.modes import BENCHMARK_MODES, DEFAULT_MODES, MODES, BatchError, matched_batch, matched_schedule
 from benchmarks.report import aggregate, loss_at_samples, verdict
 from benchmarks.runner import eval_points, runs_for_seed, train_spec, write_outputs
 from benchmarks.worker import SharedLR, engine_config
@@ -332,9 +331,9 @@ def test_equal_shares_zero1_keeps_equal_shares_under_speed_balance():
 def test_matched_modes_read_step_t_from_the_same_windows_whatever_the_micro_batch_or_shares():
     """Dealt data: DDP (micro-batch 8, accumulation 2 on 2 ranks) and ACCO (micro-batch 4, 4 +
     4 micro-batches per step in 2 rounds, uneven speed shares) read the same windows per step."""
-    from engine.dealing import dealt_index
-    from lm.data import TokenBatches
     from benchmarks.worker import ddp_stream
+    from engine.batch.dealing import dealt_index
+    from lm.data import TokenBatches
 
     tokens = torch.arange(20_000) % 251
     big, small = (TokenBatches(tokens, 32, mb, rank=0, world_size=1, seed=3) for mb in (8, 4))

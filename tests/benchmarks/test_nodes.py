@@ -113,7 +113,7 @@ def argparse_ns(**kw):
 
 
 def test_formula_cases():
-    lay = nb.Layout(2, 2)  # the engine's one Layout (engine/topology.py)
+    lay = nb.Layout(2, 2)  # the engine's one Layout (engine/parallel/topology.py)
     assert nb.ring_all_reduce(lay) == 1.5 and nb.ring_all_gather(lay) == 0.75 and nb.all_to_all(lay) == 1.0
     assert nb.R_LOCO4 == pytest.approx((0.5 + 4 / 128) / 4)
     # flat: the all-to-all grows with G, the two-level exchange does not

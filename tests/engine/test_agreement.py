@@ -10,8 +10,8 @@ import time
 import torch
 
 from engine import Engine, EngineConfig
-from engine.agreement import describe, first_difference
-from engine.local_group import spawn, spawn_collect
+from engine.parallel.agreement import describe, first_difference
+from engine.parallel.local_group import spawn, spawn_collect
 from tests.tiny import HIDDEN, IN, OUT, mse_loss, tiny_model, worker_stream
 
 STRATEGIES = ("zero1", "acco", "diloco")

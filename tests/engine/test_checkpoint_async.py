@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.checkpoint_files import read as _read
-from engine.local_group import spawn
+from engine.checkpoint.files import read as _read
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 STEPS, K, EVERY = 9, 2, 3

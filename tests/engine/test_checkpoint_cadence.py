@@ -1,5 +1,5 @@
 """checkpoint_every_s: a time-based checkpoint cadence that every rank agrees on without a
-collective between saves (engine/checkpoint_periodic.py ``Cadence``): the first after the first step, then
+collective between saves (engine/checkpoint/periodic.py ``Cadence``): the first after the first step, then
 every ~N seconds in steps measured on rank 0's clock, the same steps on every rank."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 STEPS, K = 24, 2

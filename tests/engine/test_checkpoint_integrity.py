@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig
-from engine.checkpoint import resolve
-from engine.local_group import spawn, spawn_collect
+from engine.checkpoint.writer import resolve
+from engine.parallel.local_group import spawn, spawn_collect
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 TIMEOUT_S = 8.0
@@ -187,7 +187,7 @@ def test_world2_corrupt_rank1_file_stops_every_rank(tmp_path):
 
 # ---------------------------------------------------------------------------- item 4: lost during save
 def dies_in_save(rank: int, world: int, root: str, victim: int):
-    import engine.checkpoint_files as ckpt  # the module that writes the files
+    import engine.checkpoint.files as ckpt  # the module that writes the files
 
     real = ckpt.save_file
 

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine import Engine, EngineConfig
-from engine.checkpoint import rank_file
-from engine.checkpoint_peers import buddy_of, buddy_sources, choose
-from engine.dealing import GlobalBatches
-from engine.local_group import spawn, spawn_collect
+from engine.batch.dealing import GlobalBatches
+from engine.checkpoint.peers import buddy_of, buddy_sources, choose
+from engine.checkpoint.writer import rank_file
+from engine.parallel.local_group import spawn, spawn_collect
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 G = 6  # global micro-batches per step

@@ -1,4 +1,4 @@
-"""engine/clock.py: micro-batch times from perf_counter on CPU and from CUDA events on a GPU,
+"""engine/runtime/clock.py: micro-batch times from perf_counter on CPU and from CUDA events on a GPU,
 reported only once the GPU passed a span's end event (never blocking), in order, on the
 perf_counter axis through the anchor. The CUDA events are mocked here (no GPU)."""
 
@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 import torch
 
-from engine import clock
+from engine.runtime import clock
 
 
 class Ev:

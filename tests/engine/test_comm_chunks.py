@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.comm import AUTO_CHUNKS, MIN_PIECE, resolve_chunks
+from engine.parallel.comm import AUTO_CHUNKS, MIN_PIECE, resolve_chunks
 from recipes.finetune import build_parser
 from tests.tiny import mse_loss, tiny_model
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, WorkerLostError
-from engine.local_group import spawn_collect
+from engine.parallel.local_group import spawn_collect
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 

@@ -1,4 +1,4 @@
-"""One global stream dealt out by the engine (engine/dealing.py): step t trains on global
+"""One global stream dealt out by the engine (engine/batch/dealing.py): step t trains on global
 micro-batches [t G, (t + 1) G) whatever the shares, so equal and speed shares train on the same
 samples, checked against the float64 reference of the micro-batches each worker was dealt."""
 
@@ -11,8 +11,8 @@ import torch
 
 from acco_loco.batch import round_targets
 from engine import Engine, EngineConfig, GlobalBatches
-from engine.dealing import dealt_index, round_offset
-from engine.local_group import spawn
+from engine.batch.dealing import dealt_index, round_offset
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 STEPS = 6

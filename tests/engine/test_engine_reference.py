@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 STEPS, K = 20, 2

@@ -12,7 +12,7 @@ import torch
 
 import tests.toy_codec  # noqa: F401  (registers 'toy_bf16', in the spawned workers too)
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, STEPS, LR = 2, 10, 1e-2

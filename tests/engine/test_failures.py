@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn, spawn_collect
+from engine.parallel.local_group import spawn, spawn_collect
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 TIMEOUT_S = 8.0

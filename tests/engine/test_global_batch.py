@@ -11,7 +11,7 @@ import torch
 
 from acco_loco.batch import equal_shares, round_targets
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 STEPS = 6

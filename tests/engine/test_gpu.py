@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -156,7 +156,7 @@ def test_micro_batch_loop_makes_no_host_sync():
 def test_device_clock_measures_kernels_not_launches():
     """A micro-batch whose kernels take long but launch fast: the CUDA-event clock sees the
     kernels' time, perf_counter around the launch would not."""
-    from engine.clock import DeviceClock
+    from engine.runtime.clock import DeviceClock
 
     clock, got = DeviceClock(torch.device("cuda")), []
     a = torch.randn(4096, 4096, device="cuda")

@@ -1,4 +1,4 @@
-"""grad_dtype (engine/grad_dtype.py, engine/flat.py): a bf16 model's gradient accumulated over
+"""grad_dtype (engine/core/dtypes.py, engine/core/flat.py): a bf16 model's gradient accumulated over
 micro-batches in fp32 (the default) against a float64 reference that adds each micro-batch's bf16
 gradient, at world 1 and 2, zero1 and acco; the compute-dtype setting measurably further from it;
 fp32 models unchanged; the refusal under node sharding; a bit-exact resume."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.grad_dtype import resolve_grad_dtype
-from engine.local_group import spawn
+from engine.core.dtypes import resolve_grad_dtype
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 K, LR = 8, 1.0  # micro-batches per round; SGD without momentum: step 1 moves the master by lr x the mean gradient
@@ -135,7 +135,7 @@ def test_buffers_and_hooks_follow_the_setting():
 
 def test_fp32_models_are_unchanged_by_the_setting():
     """fp32 parameters: every grad_dtype gives the same bits, the same buffers and no hooks."""
-    from engine.memory_accounting import held_bytes
+    from engine.runtime.memory_accounting import held_bytes
 
     runs = {}
     for g in ("auto", "float32", "compute"):

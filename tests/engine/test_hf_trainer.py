@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params
 
 STEPS, PER_DEVICE, ACCUM, LR = 4, 2, 2, 1e-3

@@ -1,11 +1,11 @@
 """Host reads of device values per round, counted without a GPU: every read a round makes must go
-through engine/host.py's ``to_host`` (on a GPU each one waits for the device), and a round makes
+through engine/runtime/host.py's ``to_host`` (on a GPU each one waits for the device), and a round makes
 exactly two: the small all-reduce's counts and flags, and whether the gathered parameters are
 finite. A stray ``.item()``, ``float(t)``, ``bool(t)`` or ``.cpu()`` anywhere in a round fails
 this test. So does a tensor built from Python numbers (``torch.tensor(3.0, device=...)``: on a
 GPU a copy from pageable host memory, which waits), outside the sites listed in KNOWN_H2D, and a
 Python number written into an element of a tensor (``small[i] = 3.0``: on a GPU a blocking copy
-each, where a dead peer would hang the comm thread outside its time-limited poll). engine/host.py
+each, where a dead peer would hang the comm thread outside its time-limited poll). engine/runtime/host.py
 is where both are sanctioned: ``small_vector`` fills a host buffer and copies it once. Each
 case runs with the fused CPU kernels on and off (off: the code path a GPU runs).
 
@@ -23,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import acco_loco.codecs
-import engine.host
+import engine.runtime.host
 import engine.strategies.local_sgd
 import engine.strategies.local_steps
 import engine.strategies.sharded
@@ -33,7 +33,7 @@ from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 # tensors built from host values: on a GPU, a synchronous copy from pageable memory
 FROM_HOST = {torch.tensor, torch.as_tensor, torch.asarray}
-# per-round tensors from Python numbers that another change removes (engine/collectives.py is
+# per-round tensors from Python numbers that another change removes (engine/parallel/collectives.py is
 # owned by the two-level work: CompressedGrads.reduce's ``torch.tensor([float(count)])``, the
 # round's count as a weight): listed with their number per round, not hidden; nothing else may
 KNOWN_H2D: dict[str, int] = {}  # none left: the count weight is a kept device buffer filled in place
@@ -58,7 +58,7 @@ def _caller() -> str:
     return "?"
 
 
-SANCTIONED = "engine/host.py:"  # the one module that may move host values to the device
+SANCTIONED = "engine/runtime/host.py:"  # the one module that may move host values to the device
 
 
 class CountHostReads(TorchFunctionMode):
@@ -108,8 +108,8 @@ def counted_to_host(calls: list[int]):
 ], ids=lambda kw: "+".join(str(v) for v in kw.values()))
 def test_a_round_reads_the_device_twice(kw, fused, monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
-    monkeypatch.setattr(engine.strategies.sharded, "to_host", engine.host.to_host)
+    monkeypatch.setattr(engine.runtime.host, "to_host", counted_to_host(calls))
+    monkeypatch.setattr(engine.strategies.sharded, "to_host", engine.runtime.host.to_host)
     monkeypatch.setattr(acco_loco.codecs, "_branch_free", lambda x: True)  # the accelerator's paths
     eng = Engine(tiny_model(0), EngineConfig(micro_batches=1, accumulation="fixed", max_steps=4, align=8,
                                              group_size=8, lr=1e-2, **kw), mse_loss)
@@ -130,7 +130,7 @@ def test_a_round_reads_the_device_twice(kw, fused, monkeypatch):
     for reads, sanctioned, from_host in per_round:
         assert sanctioned == 2 and reads == ["cpu", "cpu"], (reads, sanctioned)
         # + the fused kernels' non-finite flag (CPU only, where a tensor from a number copies nothing)
-        allowed = {**KNOWN_H2D, "engine/collectives.py:reduce": KNOWN_H2D.get("engine/collectives.py:reduce", 0)
+        allowed = {**KNOWN_H2D, "engine/parallel/collectives.py:reduce": KNOWN_H2D.get("engine/parallel/collectives.py:reduce", 0)
                    + (1 if fused else 0)}
         assert all(from_host.count(site) <= allowed.get(site, 0) for site in from_host), from_host
 
@@ -139,8 +139,8 @@ def test_a_local_sgd_round_reads_the_device_once(monkeypatch):
     """local_sgd's round: its small all-reduce is its one (sanctioned) host read; the finiteness
     of the gradient travels in it as a device flag."""
     calls: list[int] = []
-    monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
-    monkeypatch.setattr(engine.strategies.local_sgd, "to_host", engine.host.to_host)
+    monkeypatch.setattr(engine.runtime.host, "to_host", counted_to_host(calls))
+    monkeypatch.setattr(engine.strategies.local_sgd, "to_host", engine.runtime.host.to_host)
     eng = Engine(tiny_model(0), EngineConfig(strategy="local_sgd", optimizer="sgd", momentum=0.0, micro_batches=1,
                                              accumulation="fixed", max_steps=4, align=8, lr=1e-2), mse_loss)
     real, per_round = eng.strategy.run_round, []
@@ -176,7 +176,7 @@ def test_the_trap_sees_a_number_written_into_an_element():
 
 
 def test_small_vector_copies_host_numbers_once_and_device_values_in_place():
-    from engine.host import small_vector
+    from engine.runtime.host import small_vector
 
     loss = torch.tensor(2.5, dtype=torch.float32)
     with CountHostReads() as mode:
@@ -189,7 +189,7 @@ def test_small_vector_on_a_gpu_copies_from_pinned_memory_without_waiting():
     """On (fake) CUDA: one host-to-device copy, from pinned memory, non-blocking (the device
     values' copies are device to device: a fake CUDA tensor cannot ``copy_`` on a CPU-only build,
     the CPU test above covers them)."""
-    from engine.host import small_vector
+    from engine.runtime.host import small_vector
     from tests.engine.fake_cuda import CUDA, fake_cuda
 
     with fake_cuda() as (_, shim):
@@ -203,8 +203,8 @@ def test_an_outer_round_reads_the_device_through_to_host_only(strategy, monkeypa
     """The outer round (comm thread): its small all-reduce and the new theta_sync's finiteness
     are its host reads, both time-limited (``to_host``); no number is written into an element."""
     calls: list[int] = []
-    monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
-    monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.host.to_host)
+    monkeypatch.setattr(engine.runtime.host, "to_host", counted_to_host(calls))
+    monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.runtime.host.to_host)
     eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL, **OWN[strategy]), mse_loss)
     real, per_round = eng.strategy.run_round, []
 
@@ -231,8 +231,8 @@ OWN = {"diloco": dict(outer_momentum=0.9), "sparseloco": dict(topk_chunk=32, top
 def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
     def run(device_path: bool):
         calls: list[int] = []
-        monkeypatch.setattr(engine.host, "to_host", counted_to_host(calls))
-        monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.host.to_host)
+        monkeypatch.setattr(engine.runtime.host, "to_host", counted_to_host(calls))
+        monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.runtime.host.to_host)
         monkeypatch.setattr(engine.strategies.local_steps, "device_side", lambda t: device_path)
         eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL, **OWN[strategy]), mse_loss)
         real, per_step = eng.loop.inner_step, []

@@ -9,13 +9,12 @@ import itertools
 import pytest
 import torch
 
-from acco_loco.registry import make_codec
+from acco_loco.registry import GradCodecSpec, make_codec, parse_grad_codec
 from benchmarks.modes import engine_modes
 from engine import Engine, EngineConfig
-from engine.comm import Comm
-from acco_loco.registry import GradCodecSpec, parse_grad_codec
-from engine.collectives import CompressedGrads
-from engine.local_group import spawn
+from engine.parallel.collectives import CompressedGrads
+from engine.parallel.comm import Comm
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, worker_stream
 
 NUMEL, GROUP = 4 * 1024, 128

@@ -1,4 +1,4 @@
-"""What a rank holds after a step (engine/memory_accounting.py: the unique tensor storages of the
+"""What a rank holds after a step (engine/runtime/memory_accounting.py: the unique tensor storages of the
 model and the engine, by category, and the largest set of temporaries a round makes) against the
 per-parameter formula of engine/planner/memory.py (docs/design/zero1.md), in real gloo
 groups: flat at N = 2 and 4, two-level at 2 nodes x 2 and x 4 ranks, for zero1, acco and
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.comm import MAX_PIECE_VALUES
-from engine.local_group import spawn
-from engine.memory_accounting import CATEGORIES, RoundTemporaries
+from engine.parallel.comm import MAX_PIECE_VALUES
+from engine.parallel.local_group import spawn
 from engine.planner import memory
+from engine.runtime.memory_accounting import CATEGORIES, RoundTemporaries
 
 MODES = {
     "zero1": dict(strategy="zero1"),
@@ -44,7 +44,7 @@ def _stream(rank: int, n: int):
 def _measure(rank: int, world: int, topology: str) -> dict:
     from acco_loco import kernels
     from engine import Engine, EngineConfig
-    from engine.memory_accounting import held_bytes, track_round_temporaries
+    from engine.runtime.memory_accounting import held_bytes, track_round_temporaries
 
     kernels.use(False)  # the torch path: what runs on a GPU
     out = {}
@@ -129,8 +129,8 @@ def test_the_pieced_torch_encode_gives_the_whole_buffers_bits_without_its_tempor
     round after round, while no temporary as large as an fp32 copy of the gradient is made."""
     from acco_loco.feedback import ErrorFeedback, compress
     from acco_loco.registry import GradCodecSpec, make_codec
-    from engine.collectives import CompressedGrads
-    from engine.comm import Comm
+    from engine.parallel.collectives import CompressedGrads
+    from engine.parallel.comm import Comm
 
     numel, group, count = 8 * 4096, 128, 3
     kernels_were = __import__("acco_loco.kernels", fromlist=["use"])
@@ -161,7 +161,7 @@ def test_the_pieced_torch_encode_gives_the_whole_buffers_bits_without_its_tempor
 def _native_in_pieces(rank: int, world: int):
     import torch.distributed as dist
 
-    from engine.comm import Comm
+    from engine.parallel.comm import Comm
 
     dist.init_process_group("gloo")
     comm = Comm(rank, world, chunks=3)

@@ -1,4 +1,4 @@
-"""What a rank holds after a step of a model_sharding='node' run (engine/sharding.py: FSDP2 over
+"""What a rank holds after a step of a model_sharding='node' run (engine/parallel/sharding.py: FSDP2 over
 the node's G ranks, the exchange across nodes on the local shards) against the formula of
 engine/planner/memory.py (``node_sharded_bytes``), in real gloo groups at 2 nodes x 2 ranks and 1
 node x 4 ranks, for zero1, acco and acco+loco4+int4params on a model of several blocks; and the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.local_group import spawn
-from engine.memory_accounting import CATEGORIES
+from engine.parallel.local_group import spawn
 from engine.planner import memory
+from engine.runtime.memory_accounting import CATEGORIES
 
 MODES = {
     "zero1": dict(strategy="zero1"),
@@ -51,7 +51,7 @@ def _stream(rank: int, n: int):
 def _measure(rank: int, world: int, dtypes: tuple[str, ...]) -> dict:
     from acco_loco import kernels
     from engine import Engine, EngineConfig
-    from engine.memory_accounting import held_bytes, fsdp_unsharded_bytes, track_round_temporaries
+    from engine.runtime.memory_accounting import fsdp_unsharded_bytes, held_bytes, track_round_temporaries
 
     kernels.use(False)  # the torch path: what runs on a GPU
     out = {}

@@ -1,4 +1,4 @@
-"""model_sharding='node' (engine/sharding.py): the model sharded over each node's ranks with
+"""model_sharding='node' (engine/parallel/sharding.py): the model sharded over each node's ranks with
 FSDP2, the exchange across nodes on the local shards, in real gloo groups of M nodes x G ranks.
 
 Against the float64 reference of each strategy, and against the unsharded two-level run of the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import Reference, mse_loss, rel_err, tiny_model, worker_stream
 
 STEPS = 6

@@ -1,6 +1,6 @@
 """The global batch under model_sharding='node': a node's ranks run in lockstep (FSDP2's
 collectives in every forward and backward), so a round's micro-batches are dealt to nodes in
-units of one per rank (engine/batching.py), by the node's slowest rank under speed shares; and
+units of one per rank (engine/batch/accumulation.py), by the node's slowest rank under speed shares; and
 accumulation 'grow', which lets each rank end its round alone, is refused."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.batching import Accumulation
-from engine.local_group import spawn
+from engine.batch.accumulation import Accumulation
+from engine.parallel.local_group import spawn
 from engine.strategies import strategy_class
 from tests.engine.test_model_sharding import sharded_tiny, whole_params
 from tests.tiny import mse_loss, rel_err, worker_stream

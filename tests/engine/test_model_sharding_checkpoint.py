@@ -1,4 +1,4 @@
-"""Checkpoints of model_sharding='node' runs (engine/sharding.py, engine/checkpoint.py): a
+"""Checkpoints of model_sharding='node' runs (engine/parallel/sharding.py, engine/checkpoint/writer.py): a
 bit-exact resume at the same layout, a re-cut at another number of nodes (each rail's chunks, as
 a flat run's shards), and another number of ranks per node refused on every rank."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.engine.test_model_sharding import grouped_model, whole_params
 from tests.tiny import mse_loss, worker_stream
 
@@ -65,7 +65,7 @@ def test_sharded_checkpoint_resumes_bit_exact_and_refuses_other_ranks_per_node(t
 
 def _resume_one_buffer(rank: int, world: int, directory: str):
     """zero1 (no overlap): the round gathers into the gradient buffer, which the checkpoint saves
-    as the pending gradient (engine/sharding.py)."""
+    as the pending gradient (engine/parallel/sharding.py)."""
     cfg = dict(strategy="zero1", micro_batches=2)
     stream = worker_stream(rank, 100)
     straight = Engine(grouped_model(), _cfg(6, **cfg), mse_loss)

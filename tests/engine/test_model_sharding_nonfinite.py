@@ -1,6 +1,6 @@
-"""A node-sharded run (engine/sharding.py) whose new parameters are not finite on one rail only:
+"""A node-sharded run (engine/parallel/sharding.py) whose new parameters are not finite on one rail only:
 ShardParams gathers into the held buffer itself, so the node must agree before any rail's delta
-is added (engine/two_level.py); nothing is installed anywhere and every replica stays as it was."""
+is added (engine/parallel/two_level.py); nothing is installed anywhere and every replica stays as it was."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.engine.test_model_sharding import whole_params
 from tests.tiny import worker_stream
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.comm import Comm
-from engine.local_group import spawn
+from engine.parallel.comm import Comm
+from engine.parallel.local_group import spawn
 
 
 def _both(rank: int, world: int, dtype: torch.dtype):
@@ -40,12 +40,11 @@ def test_native_reduce_scatter_equals_the_all_to_all_sum(dtype):
 
 
 def _engine(rank: int, world: int, native: bool):
+    import engine.parallel.comm
     from engine import Engine, EngineConfig
     from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
-    import engine.comm
-
-    engine.comm.Comm.native_reduce_scatter = property(lambda self: native and self.world_size > 1,
+    engine.parallel.comm.Comm.native_reduce_scatter = property(lambda self: native and self.world_size > 1,
                                                       lambda self, value: None)
     model = tiny_model(0)
     cfg = EngineConfig(strategy="zero1", lr=1e-2, micro_batches=2, accumulation="fixed", max_steps=4, align=8,

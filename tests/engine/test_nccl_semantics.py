@@ -1,6 +1,6 @@
 """What a lost peer does under NCCL, on CPU with mocks (no GPU here; docs/gpu.md):
 an NCCL collective on a dead peer never returns an error to the host (its kernel spins), so the
-comm thread's device reads are time-limited polls (engine/host.py ``wait_until``), the engine
+comm thread's device reads are time-limited polls (engine/runtime/host.py ``wait_until``), the engine
 aborts the communicators after naming the peer (streams.CommWorker.abort), which wakes the comm
 thread, and NCCL's own watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, a later process-group timeout)
 is only the backstop."""
@@ -14,9 +14,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-import engine.comm as comm
-import engine.host as host
-from engine.streams import CommWorker
+import engine.parallel.comm as comm
+import engine.runtime.host as host
+from engine.runtime.streams import CommWorker
 
 
 class StuckWork:
@@ -146,7 +146,7 @@ def test_every_engine_group_times_out_with_the_engine(device, want, monkeypatch)
     """Every group ParallelDims makes (the world's, each node's, each rail's) gets the default
     group's timeout for timeout_s, not torch's default for new groups (10 or 30 minutes)."""
     from engine.parallel import dims as dims_module
-    from engine.topology import Layout
+    from engine.parallel.topology import Layout
 
     made = []
     monkeypatch.setattr(dims_module.dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or tuple(ranks))
@@ -161,7 +161,7 @@ def test_every_engine_group_times_out_with_the_engine(device, want, monkeypatch)
 
 
 def test_the_comm_stream_has_high_priority(monkeypatch):
-    import engine.streams as streams
+    import engine.runtime.streams as streams
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append(priority) or object())
@@ -176,7 +176,7 @@ def test_the_engine_aborts_the_communicators_only_for_a_lost_peer():
     (a bug in a loss function) leaves the process group usable (the comm thread's reads are
     time-limited either way)."""
     from engine import Engine, EngineConfig
-    from engine.watchdog import EXIT_ERROR, EXIT_PEER
+    from engine.runtime.watchdog import EXIT_ERROR, EXIT_PEER
     from tests.tiny import mse_loss, tiny_model
 
     for reason, want in ((EXIT_ERROR, []), (EXIT_PEER, [1])):
@@ -191,7 +191,7 @@ def test_the_engine_aborts_the_communicators_only_for_a_lost_peer():
 def test_the_device_clock_flush_never_hangs(monkeypatch):
     """Engine.close flushes the CUDA-event clock; a compute stream stuck behind a lost peer's
     collective must not hang it (mocked events: the end event never completes)."""
-    from engine import clock
+    from engine.runtime import clock
 
     class Never:
         def query(self):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from engine.strategies.sparseloco import make_codec
 from tests.engine.test_local_steps import outer_sgd, topk_2bit
 from tests.tiny import flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, NonFiniteGradientError
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, tiny_model, worker_stream
 
 STEPS = 4

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
-from engine.rounds import NonFiniteGradientError
+from engine.core.rounds import NonFiniteGradientError
+from engine.parallel.local_group import spawn
 from engine.strategies.onebit_adam import compressed_step_bytes
 from tests.tiny import HIDDEN, IN, flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from engine import Engine, EngineConfig
-from engine.comm import Comm
-from engine.local_group import spawn
+from engine.parallel.comm import Comm
+from engine.parallel.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 COMM_DELAY_S = 0.15

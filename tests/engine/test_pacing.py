@@ -1,6 +1,6 @@
 """The floor on micro-batches per round that the engine derives from the comm side's CPU cost.
 
-The rule itself (engine/pacing.py) is checked on numbers; the engine is checked end to end in
+The rule itself (engine/batch/pacing.py) is checked on numbers; the engine is checked end to end in
 real gloo groups whose comm side burns a known amount of CPU per round.
 """
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.comm import Comm
-from engine.cpu_memory import keep_freed_memory
-from engine.pacing import Pacer, min_micro_batches
-from engine.local_group import spawn
+from engine.batch.pacing import Pacer, min_micro_batches
+from engine.parallel.comm import Comm
+from engine.parallel.local_group import spawn
+from engine.runtime.cpu_memory import keep_freed_memory
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 

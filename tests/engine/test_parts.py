@@ -79,7 +79,7 @@ def test_no_source_file_is_over_450_lines():
 
 
 def test_only_the_strategies_name_their_checkpoint_keys():
-    """engine/reshard.py applies each strategy's ``recut_rules``; no module outside
+    """engine/checkpoint/reshard.py applies each strategy's ``recut_rules``; no module outside
     engine/strategies/ spells a strategy's state keys (a new strategy edits no other file)."""
     from engine.strategies import STRATEGIES, strategy_class
 

@@ -8,8 +8,8 @@ import torch
 
 from acco_loco import kernels
 from engine import Engine, EngineConfig
-from engine.comm import chunk_bounds
-from engine.local_group import spawn
+from engine.parallel.comm import chunk_bounds
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, worker_stream
 
 MODES = {

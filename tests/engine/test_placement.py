@@ -1,4 +1,4 @@
-"""The engine owns device placement (engine/placement.py): every micro-batch, however nested,
+"""The engine owns device placement (engine/runtime/placement.py): every micro-batch, however nested,
 reaches the model's device, from pinned memory with non_blocking on CUDA; a batch already there
 and a CPU model cost nothing. Proved without a GPU, with two stand-ins for a device: fake CUDA
 tensors (FakeTensorMode, where mixing devices raises as on a GPU) for the CUDA copies, and the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.placement import Placement, map_tensors, tensors_of, to_device
+from engine.runtime.placement import Placement, map_tensors, tensors_of, to_device
 from tests.engine.fake_cuda import CUDA, fake_cuda, record_input_devices
 from tests.tiny import mse_loss, tiny_model, worker_stream
 

@@ -13,7 +13,8 @@ import benchmarks.node_bytes as nb
 from benchmarks import plan_validate as validate
 from benchmarks.plan_validate import RESULTS
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
+from engine.parallel.topology import Layout
 from engine.planner.hardware import TESTBED_CONSTANTS, cpu_testbed, gpu
 from engine.planner.memory import memory_per_gpu
 from engine.planner.modes import Mode
@@ -21,7 +22,6 @@ from engine.planner.recommend import make_plan
 from engine.planner.shape import PRESETS, from_shape, from_transformers
 from engine.planner.timeline import Batch, step_time
 from engine.planner.wire import WireSettings, step_bytes
-from engine.topology import Layout
 from tests.tiny import mse_loss, worker_stream
 
 
@@ -304,8 +304,8 @@ def test_rows_scored_on_another_held_out_set_are_left_out():
 
 
 def test_time_to_loss_charges_the_onebit_warmup_at_the_uncompressed_round():
-    from engine.planner.recommend import time_to_loss
     from engine.planner.quality import SampleFactor
+    from engine.planner.recommend import time_to_loss
 
     assert time_to_loss(2.0, SampleFactor(1.5, 3, ())) == pytest.approx(3.0)
     # 20% of AdamW's steps at 10 s (warmup), the other 0.6 at 1 s

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mse_loss, worker_stream
 
 

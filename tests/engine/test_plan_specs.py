@@ -11,6 +11,7 @@ import pytest
 
 import engine.strategies as registry
 from benchmarks.plan_validate import RESULTS
+from engine.parallel.topology import Layout
 from engine.planner.activations import activation_bytes
 from engine.planner.hardware import H100_MEM_GIB, gpu
 from engine.planner.memory import memory_per_gpu
@@ -19,7 +20,6 @@ from engine.planner.recommend import format_plan, make_plan
 from engine.planner.shape import PRESETS
 from engine.planner.timeline import Batch
 from engine.planner.wire import WireSettings, step_bytes
-from engine.topology import Layout
 
 PLANNER = Path(__file__).resolve().parents[2] / "engine" / "planner"
 BF16 = WireSettings(compute_bytes=2)

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine import Engine, EngineConfig
-from engine.checkpoint import rank_file
-from engine.dealing import GlobalBatches
-from engine.local_group import spawn
+from engine.batch.dealing import GlobalBatches
+from engine.checkpoint.writer import rank_file
+from engine.parallel.local_group import spawn
 from tests.tiny import mse_loss, tiny_model, worker_stream
 
 G = 8  # global micro-batches per step: acco runs 2 rounds of at least one per worker at 4 workers
@@ -121,7 +121,7 @@ def _check(saved, per_rank, name, old_world, new_world):
         full = torch.cat([o["loaded"][key] for o in outs])[:numel]
         assert torch.equal(full, _full(saved, f"opt.{key}", numel)), (name, key)
     if name == "acco_loco4":  # the error sum kept: int8 codes, so up to one rounding per worker
-        from engine.reshard import _feedback_error
+        from engine.checkpoint.reshard import _feedback_error
         old = sum(_feedback_error({k[9:]: v for k, v in f.items() if k.startswith("feedback.")}, 8)[:numel]
                   for f in saved)
         new = sum(o["loaded"]["feedback"][:numel] for o in outs)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from acco_loco.registry import WIRE_CODECS
-from engine import collectives
-from engine.collectives import _bytes_as, _decoded_rows, _scale_bytes
+from engine.parallel import collectives
+from engine.parallel.collectives import _bytes_as, _decoded_rows, _scale_bytes
 
 
 def _rows(codec, n: int, numel: int) -> tuple[torch.Tensor, int, int]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from engine.strategies import sparseloco
 from tests.acco_loco.test_tiled_topk import reference_tiles
 from tests.engine.test_local_steps import OUTER, OWN, ROUNDS, LocalReference, padded, topk_2bit, train

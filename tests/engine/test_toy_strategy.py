@@ -12,7 +12,7 @@ import torch
 
 import engine.strategies as registry
 from engine import Engine, EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params, mean_grad_f64, mse_loss, rel_err, tiny_model, worker_stream
 
 K, STEPS, STEP_SIZE = 2, 6, 0.05
@@ -68,9 +68,9 @@ def test_toy_strategy_with_its_own_loop_and_section_matches_float64(toy):
     assert h[-1]["loss"] < h[0]["loss"]
     # the planner prices it from its spec alone (tests/toy_strategy.py ``spec``): what it predicts
     # a rank sends per step is what the engine counted
+    from engine.parallel.topology import Layout
     from engine.planner.modes import Mode
     from engine.planner.wire import WireSettings, step_bytes
-    from engine.topology import Layout
 
     want = step_bytes(start.numel(), Layout(2), Mode("toy_sync_sgd"), WireSettings()).rank
     assert [e["wire_bytes"] for e in h] == [want] * STEPS

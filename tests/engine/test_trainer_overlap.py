@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from tests.tiny import flat_params
 
 STEPS = 3

@@ -1,4 +1,4 @@
-"""The two-level exchange (engine/two_level.py) in real gloo groups laid out as M nodes x G ranks:
+"""The two-level exchange (engine/parallel/two_level.py) in real gloo groups laid out as M nodes x G ranks:
 the float64 reference of each sharded strategy, the compressed reduce-scatter against the node's
 dequantized sum per rail slice, the equivalence with a flat run of M workers that each run their
 node's micro-batches, bytes per link class against docs/nodes.md, bit-identical
@@ -11,15 +11,14 @@ import itertools
 import pytest
 import torch
 
-from acco_loco.registry import make_codec
-from acco_loco.registry import GradCodecSpec
+from acco_loco.registry import GradCodecSpec, make_codec
 from engine import Engine, EngineConfig
-from engine.comm import Comm, LinkBytes
-from engine.collectives import CompressedGrads
-from engine.local_group import spawn
+from engine.parallel.collectives import CompressedGrads
+from engine.parallel.comm import Comm, LinkBytes
 from engine.parallel.dims import ParallelDims
-from engine.topology import Layout
-from engine.two_level import TwoLevelGrads
+from engine.parallel.local_group import spawn
+from engine.parallel.topology import Layout
+from engine.parallel.two_level import TwoLevelGrads
 from tests.tiny import Reference, flat_params, mse_loss, rel_err, tiny_model, worker_stream
 
 LAYOUTS = [(2, 2), (2, 3), (3, 2)]
@@ -293,7 +292,7 @@ def _hetero(rank: int, world: int, strategy: str):
 
 @pytest.mark.parametrize("strategy", ["zero1", "acco"])
 def test_heterogeneous_nodes_keep_the_global_batch_and_the_reference(strategy):
-    from engine.dealing import dealt_index
+    from engine.batch.dealing import dealt_index
 
     rounds = 2 if strategy == "acco" else 1
     run = spawn(_hetero, 4, strategy, env=_env(2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig, GlobalBatches
-from engine.local_group import spawn
+from engine.parallel.local_group import spawn
 from lm.data import TokenBatches
 from recipes.finetune import engine_data
 from tests.tiny import mse_loss, tiny_model

@@ -58,7 +58,7 @@ def test_elastic_restart_resumes_only_from_the_second_attempt(tmp_path, monkeypa
 
 
 def test_the_shared_rendezvous_store_is_warned_about(monkeypatch, caplog):
-    from engine.context import warn_shared_elastic_store
+    from engine.core.context import warn_shared_elastic_store
 
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

@@ -12,12 +12,12 @@ Every rank writes into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<di
 checkpoint is either complete or absent. Without a shared filesystem (or with a directory per
 node) the lowest rank that sees a directory finishes it: each node keeps its own ranks' files and
 resumes from them at the same world size. A checkpoint of N workers loads at another world size:
-every rank reads all N rank files and re-cuts them (engine/reshard.py). A peer lost during a save
+every rank reads all N rank files and re-cuts them (engine/checkpoint/reshard.py). A peer lost during a save
 is named (the watchdog's diagnosis), and ``<dir>.tmp`` is never loaded.
 
-This file writes a checkpoint (``CheckpointWriter``); engine/checkpoint_files.py holds the
-checksummed file format, engine/checkpoint_load.py the load, engine/checkpoint_periodic.py the
-periodic saves, engine/checkpoint_peers.py the buddy copies and the files fetched from peers.
+This file writes a checkpoint (``CheckpointWriter``); engine/checkpoint/files.py holds the
+checksummed file format, engine/checkpoint/load.py the load, engine/checkpoint/periodic.py the
+periodic saves, engine/checkpoint/peers.py the buddy copies and the files fetched from peers.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from . import checkpoint_peers as peers
-from .checkpoint_files import CHECKSUM_ALGO, CHECKSUMS, encode, model_tensors, write, write_bytes
-from .checkpoint_load import FORMAT, resolve, saved_loss_name
-from .checkpoint_peers import LATEST, rank_file
+from . import peers as peers
+from .files import CHECKSUM_ALGO, CHECKSUMS, encode, model_tensors, write, write_bytes
+from .load import FORMAT, resolve, saved_loss_name
+from .peers import LATEST, rank_file
 
 __all__ = ["CheckpointWriter", "PendingSave", "LATEST", "rank_file", "resolve"]
 

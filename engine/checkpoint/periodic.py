@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointWriter, PendingSave
-from .checkpoint_peers import LATEST
+from .peers import LATEST
+from .writer import CheckpointWriter, PendingSave
 
 
 class Cadence:

@@ -30,7 +30,7 @@ import torch
 
 from acco_loco.registry import make_codec
 
-from .rounds import RoundContext
+from ..core.rounds import RoundContext
 
 log = logging.getLogger("acco_loco")
 

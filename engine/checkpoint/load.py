@@ -1,6 +1,6 @@
-"""Loading a checkpoint (engine/checkpoint.py describes its files): the directory every rank
+"""Loading a checkpoint (engine/checkpoint/writer.py describes its files): the directory every rank
 agrees on, its engine.json and config checked against this run's, the model loaded, then each
-rank's state read (or re-cut for another world size, engine/reshard.py), and every rank told
+rank's state read (or re-cut for another world size, engine/checkpoint/reshard.py), and every rank told
 whether every rank restored its part. ``Engine.load`` puts these steps together."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_peers as peers
-from .checkpoint_files import CHECKSUM_ALGO, CHECKSUMS, load_model, read_rank_state
-from .checkpoint_peers import LATEST, rank_file
-from .config import STRUCTURAL_FIELDS, EngineConfig
-from .context import start_process_group, trainable_parameters
-from .loss import default_loss
-from .parallel.dims import load_group
+from ..config import STRUCTURAL_FIELDS, EngineConfig
+from ..core.context import start_process_group, trainable_parameters
+from ..core.loss import default_loss
+from ..parallel.dims import load_group
+from . import peers as peers
+from .files import CHECKSUM_ALGO, CHECKSUMS, load_model, read_rank_state
+from .peers import LATEST, rank_file
 
 log = logging.getLogger("acco_loco")
 
@@ -55,7 +55,7 @@ class OpenCheckpoint:
     path: Path
     info: dict  # engine.json
     cfg: EngineConfig  # the run's configuration (the checkpoint's, or the caller's, checked)
-    scratch: Path | None  # files received from peers (engine/checkpoint_peers.py), removed by close()
+    scratch: Path | None  # files received from peers (engine/checkpoint/peers.py), removed by close()
 
     @property
     def checked(self) -> bool:
@@ -92,7 +92,7 @@ class OpenCheckpoint:
 def open_checkpoint(directory, model: torch.nn.Module, cfg: EngineConfig | None, loss_fn,
                     max_steps: int | None = None) -> OpenCheckpoint:
     """Every rank of the run calls it. With several ranks, the ranks agree on the checkpoint and a
-    rank gets the files its disk lacks from live peers (engine/checkpoint_peers.py)."""
+    rank gets the files its disk lacks from live peers (engine/checkpoint/peers.py)."""
     device, rank, world = start_process_group(trainable_parameters(model), cfg or EngineConfig())
     if world == 1:
         path, scratch = directory, None

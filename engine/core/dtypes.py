@@ -5,7 +5,7 @@ A bf16 model's ``.grad`` is bf16: summed over k micro-batches in bf16, each add 
 to 8 bits of mantissa. Megatron-LM keeps an fp32 ``main_grad`` buffer for bf16 runs instead, into
 which each backward's gradient is added and which is reduced in fp32
 (``accumulate_allreduce_grads_in_fp32``, its default for bf16). ``float32`` does the same on the
-flat path (engine/flat.py: the gradient buffers are fp32 and a post-accumulate-grad hook adds
+flat path (engine/core/flat.py: the gradient buffers are fp32 and a post-accumulate-grad hook adds
 each parameter's bf16 ``.grad`` into its slice), and an uncompressed gradient then travels in
 fp32: twice the bytes of torch DDP's bf16 all-reduce. ``auto`` takes fp32 where that costs no
 bytes: where a gradient codec encodes the buffer (LoCo's encode reads fp32 whatever the buffer

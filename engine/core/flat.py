@@ -2,7 +2,7 @@
 
 Model ``.data`` and ``.grad`` tensors are views into these buffers, so a round hands the whole
 gradient to the communication side as one tensor and installs new parameters with one copy.
-With a gradient dtype other than the parameters' (grad_dtype, engine/grad_dtype.py: fp32 buffers
+With a gradient dtype other than the parameters' (grad_dtype, engine/core/dtypes.py: fp32 buffers
 for bf16 parameters) ``.grad`` is no view: a post-accumulate-grad hook adds each parameter's
 gradient into its slice of the buffer as its backward produces it, then drops it (``.grad`` is
 None between backwards), so one parameter's compute-dtype gradient at a time lives beside the buffer.
@@ -104,14 +104,14 @@ class FlatParams:
 
 
 class LocalShards:
-    """model_sharding='node' (engine/sharding.py): this rank's FSDP2 local shards of the trainable
+    """model_sharding='node' (engine/parallel/sharding.py): this rank's FSDP2 local shards of the trainable
     parameters as one padded flat buffer, the rail's exchange buffer, with FlatParams' interface.
 
     ``world_size`` is the rail's M (the ranks that share this cut); chunk m is rank (m, l)'s
     shard. Gradients work as in FlatParams: each parameter's ``.grad`` is a DTensor whose local
     tensor is a view of gradient buffer ``active``, and FSDP2 adds each micro-batch's reduced
     shard into it in place; a round reads the other buffer (one buffer without overlap: the
-    round then gathers the new parameters into it, engine/sharding.py). Parameters are FSDP2's
+    round then gathers the new parameters into it, engine/parallel/sharding.py). Parameters are FSDP2's
     own storage and nothing else holds them (no ``data`` copy: FSDP2 pads each local shard to
     its own cut, so the shards cannot view one buffer): ``install`` copies the new local buffer
     into each local shard, ``read_into`` the shards into a buffer."""

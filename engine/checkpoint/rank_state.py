@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .rounds import RoundContext
-from .state import EngineState
+from ..core.counters import EngineState
+from ..core.rounds import RoundContext
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def gather_state(ctx: RoundContext, strategy, counters: EngineState, accumulatio
             **counters.state_dict(),
             "opt_step": opt_meta["step"], "shard_size": flat.shard_size, "numel": flat.numel,
             "accumulation": accumulation.state_dict(), **strategy_meta}
-    if ctx.cfg.model_sharding != "none":  # the state is cut by the node's ranks: engine/sharding.py
+    if ctx.cfg.model_sharding != "none":  # the state is cut by the node's ranks: engine/parallel/sharding.py
         meta.update(model_sharding=ctx.cfg.model_sharding, ranks_per_node=ctx.dims.layout.ranks_per_node)
     return tensors, meta
 

@@ -9,7 +9,7 @@ sends the whole buffer, all_to_all_single sends (N-1)/N of it, and the same path
 low-bit payloads that collectives cannot sum.
 
 ``chunks`` (EngineConfig.comm_chunks) pipelines: ``reduce_scatter_sum`` sends piece k+1 of the
-shard while it sums piece k, and the engine's reducers and gatherers (engine/collectives.py)
+shard while it sums piece k, and the engine's reducers and gatherers (engine/parallel/collectives.py)
 start one async collective per piece with ``all_to_all_start``/``all_gather_start``. Send and
 receive tensors come from ``buffer`` and are reused every round. Pieces start at multiples of
 PIECE_ALIGN values, so that every piece computes the same bits as the whole would.
@@ -24,7 +24,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; keep older releases working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

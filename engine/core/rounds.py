@@ -12,12 +12,12 @@ import torch
 from acco_loco.acco import RoundKind
 from acco_loco.optim import OptimizerSpec, ShardState
 
-from .comm import Comm
+from ..parallel.comm import Comm
 from .flat import FlatParams
 
 if TYPE_CHECKING:  # the config imports the strategies' registry; a round needs only its fields
-    from .config import EngineConfig
-    from .parallel.dims import ParallelDims
+    from ..config import EngineConfig
+    from ..parallel.dims import ParallelDims
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -75,8 +75,8 @@ class Reduced:
 
 
 class GradReducer(Protocol):
-    """A worker's gradient sum -> the fp32 sum of its owned shard (engine/collectives.py,
-    engine/two_level.py); it owns its error state (``feedback``) and that state's checkpoint."""
+    """A worker's gradient sum -> the fp32 sum of its owned shard (engine/parallel/collectives.py,
+    engine/parallel/two_level.py); it owns its error state (``feedback``) and that state's checkpoint."""
 
     feedback: Any
 

@@ -5,7 +5,7 @@ computing. CUDA (NCCL): the thread enqueues the round on a dedicated comm stream
 records an event on its compute stream at submission that the comm stream waits on, and the
 comm stream records a ``done`` event that the compute stream waits on at install. The compute
 loop never synchronises with the GPU after a micro-batch; ``done()`` only queries the event. The
-comm thread reads device values on the host twice per round (engine/host.py: the small
+comm thread reads device values on the host twice per round (engine/runtime/host.py: the small
 all-reduce's counts and flags, and whether the gathered parameters are finite), which waits for
 the comm stream only. A tensor made on one stream and read on the other is either persistent
 (the flat buffers, the gathered parameters) or kept alive with ``record_stream``.

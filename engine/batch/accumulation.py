@@ -4,7 +4,7 @@
   workers (acco_loco/batch.py), equally or by measured speed. The speeds travel in each
   round's small all-reduce, so every rank computes the same shares from the same rounds.
 * ``fixed`` without it: ``micro_batches`` per worker and round.
-* ``grow``: at least the pacer's minimum (engine/pacing.py), then until the round in flight is
+* ``grow``: at least the pacer's minimum (engine/batch/pacing.py), then until the round in flight is
   done; the engine's loop decides the end, this only gives the minimum.
 
 Under model_sharding="node" a node's G ranks run in lockstep (FSDP2's collectives in every

@@ -12,7 +12,7 @@ local shards after each micro-batch's backward, added into the engine's gradient
 Across nodes: rank (m, l)'s *local buffer* is its local shards (rows of dim 0, FSDP2's Shard(0)
 cut) of every trainable parameter, concatenated in the model's order, which is the same cut on
 every rank of rail l; padded to M x align it is the flat buffer of the rail's exchange (M ranks,
-the reducers and gatherers of engine/collectives.py), rank (m, l) owning chunk m of it: master
+the reducers and gatherers of engine/parallel/collectives.py), rank (m, l) owning chunk m of it: master
 and moments hold 1/(G x M) of the model. The new local buffer is written into FSDP2's local
 shards by the compute side at the round boundary (``LocalShards.install``).
 
@@ -34,12 +34,12 @@ import torch
 
 from acco_loco.optim import OptimizerSpec, init_state
 
+from ..core.flat import LocalShards
+from ..core.rounds import RoundContext
+from ..strategies import shard_groups
 from .collectives import make_collectives
 from .comm import resolve_chunks
-from .flat import LocalShards
-from .parallel.dims import ParallelDims
-from .rounds import RoundContext
-from .strategies import shard_groups
+from .dims import ParallelDims
 from .two_level import ShardGrads, ShardParams
 
 log = logging.getLogger("acco_loco")
@@ -116,7 +116,7 @@ def local_rows(full: torch.Tensor, g: int, local: int) -> torch.Tensor:
 
 def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Tensor, cfg, dims: ParallelDims,
                           strategy, spec: OptimizerSpec, dtype: torch.dtype) -> RoundContext:
-    """The round context of a node-sharded run (engine/context.py ``build_context`` has started
+    """The round context of a node-sharded run (engine/core/context.py ``build_context`` has started
     every replica from rank 0's values and cast them): the model sharded with FSDP2 over the
     compute thread's node group, the local buffer and the rail's reducer and gatherer around it."""
     layout, device = dims.layout, dims.device

@@ -106,7 +106,7 @@ def detect_layout(g: int, rank: int, world: int, topology: str) -> Layout:
 
 def exchange_for(topology: str, layout: Layout) -> str:
     """'flat' or 'two_level' for this layout; a clear error where two_level cannot apply. (The
-    model and config agreement of all ranks is engine/agreement.py's ``check_agreement``.)"""
+    model and config agreement of all ranks is engine/parallel/agreement.py's ``check_agreement``.)"""
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: choose one of {TOPOLOGIES}")
     two_level_fits = layout.nodes > 1 and layout.ranks_per_node > 1

@@ -8,7 +8,7 @@ Each row a worker sends to owner j holds: the packed payload of shard j, its sca
 sender's micro-batch count (the weight). Workers send their *mean* micro-batch gradient, so the
 error state stays in one unit whatever the count of a round; the owner weights by the count.
 
-Both collectives are pipelined over the pieces of the shard (``comm_chunks`` or more: engine/comm.py
+Both collectives are pipelined over the pieces of the shard (``comm_chunks`` or more: engine/parallel/comm.py
 ``Comm.pieces``, starts aligned to the codec groups and to PIECE_ALIGN): a reducer encodes
 piece k+1 while piece k is on the wire and decodes piece k-1 as soon as it has arrived; a
 gatherer sends each piece of the new shard as soon as the optimizer has produced it
@@ -35,9 +35,9 @@ from acco_loco import compiled, kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback
 from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
+from ..core.rounds import Reduced
+from ..runtime.host import nonfinite_flag, nonfinite_rows, nonfinite_rows_parts
 from .comm import Comm
-from .host import nonfinite_flag, nonfinite_rows, nonfinite_rows_parts
-from .rounds import Reduced
 
 
 def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

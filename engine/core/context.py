@@ -1,7 +1,7 @@
 """The round context at engine start, built from explicit parts (the model, the config, the
 ParallelDims, the strategy): every replica started from rank 0's fp32 values, the parameters
 cast to the compute dtype, the trainable parameters flattened into one padded buffer (or, under
-model_sharding="node", FSDP2's local shards: engine/sharding.py), and the reducer and gatherer
+model_sharding="node", FSDP2's local shards: engine/parallel/sharding.py), and the reducer and gatherer
 built around it."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import torch
 
 from acco_loco.optim import OptimizerSpec, init_state
 
-from .collectives import make_collectives
-from .comm import init_process_group, resolve_chunks
-from .cpu_memory import keep_freed_memory
+from ..parallel.collectives import make_collectives
+from ..parallel.comm import init_process_group, resolve_chunks
+from ..parallel.dims import ParallelDims
+from ..parallel.two_level import TwoLevelGrads, TwoLevelParams
+from ..runtime.cpu_memory import keep_freed_memory
+from ..strategies import shard_groups
+from .dtypes import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
 from .flat import FlatParams
-from .grad_dtype import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
-from .parallel.dims import ParallelDims
 from .rounds import RoundContext
-from .strategies import shard_groups
-from .two_level import TwoLevelGrads, TwoLevelParams
 
 log = logging.getLogger("acco_loco")
 
@@ -93,11 +93,11 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
     if cfg.compute_dtype != "auto":
         cast_parameters(model, dtype)
     if cfg.activation_checkpointing:
-        from .sharding import checkpoint_blocks
+        from ..parallel.sharding import checkpoint_blocks
 
         checkpoint_blocks(model)
     if node_sharded:  # FSDP2 inside the node, the exchange on local shards
-        from .sharding import build_sharded_context
+        from ..parallel.sharding import build_sharded_context
 
         return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype)
     comm = dims.comm("world")

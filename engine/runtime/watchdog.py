@@ -13,7 +13,6 @@ import time
 
 import torch.distributed as dist
 
-
 # why a rank closed its engine, published with its last heartbeat
 EXIT_DONE = "done"
 EXIT_ERROR = "error"  # an error of its own: the peers name it

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.rounds import Reduced
+from ..runtime.host import HostRead, small_vector, to_host
 from .comm import Comm
-from .host import HostRead, small_vector, to_host
-from .rounds import Reduced
 from .topology import Layout
 
 
@@ -134,7 +134,7 @@ class TwoLevelParams:
 
 
 class ShardGrads:
-    """model_sharding='node' (engine/sharding.py): FSDP2's reduce-scatter already left the node's
+    """model_sharding='node' (engine/parallel/sharding.py): FSDP2's reduce-scatter already left the node's
     fp32 sum of this rank's local shards in ``full`` (the local buffer, in the compute dtype); the
     node's micro-batch count is summed beside it, then ``inner`` (a flat reducer built for the
     local buffer over M ranks) runs over the rail with the node's count as the weight, as
@@ -163,7 +163,7 @@ class ShardParams(TwoLevelParams):
     before a delta gatherer adds its deltas (so ``held`` stays untouched when another rail's
     shard was not finite; a cast gatherer's part-written ``held`` is gathered again by the
     round), and there is no node gather (FSDP2 gathers in the forward pass). Without overlap
-    ``held`` is the gradient buffer the round has reduced (engine/sharding.py), filled with the
+    ``held`` is the gradient buffer the round has reduced (engine/parallel/sharding.py), filled with the
     parameters by ``refresh`` first where a delta gatherer adds to them."""
 
     def __init__(self, inner, node: Comm, rail: Comm, layout: Layout, refresh=None):

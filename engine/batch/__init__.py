@@ -1,0 +1,1 @@
+"""How many micro-batches a round takes and which worker runs which: accumulation, pacing, dealing."""
