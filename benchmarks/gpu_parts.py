@@ -68,7 +68,10 @@ def _flat(model) -> torch.Tensor:
 def nccl_world1(args) -> dict:
     """NCCL with the world-1 shortcut off: at world 1 ``Comm`` skips every collective, so the
     collectives the engine issues are called here directly, from the engine's comm thread on its
-    stream, as async works; then the abort that ends a lost peer's collectives."""
+    stream, as async works; then the user's collectives on the default group (the compute stream)
+    while the comm thread's run on a group of the engine's own (engine/parallel/dims.py: separate
+    communicators and streams), both to their end; then the abort that ends a lost peer's
+    collectives."""
     import torch.distributed as dist
 
     from engine.parallel.comm import prepare_backend
@@ -98,10 +101,11 @@ def nccl_world1(args) -> dict:
         return {"on_comm_stream": stream == worker.stream, "equal": [bool(v) for v in equal]}
     got = worker.submit(0, exchange).wait(60.0)
     torch.cuda.synchronize()
+    got["user_beside_engine"] = _user_beside_engine(worker, dev)
     if getattr(args, "result", None):  # kept if NCCL's watchdog ends the process at the abort
         Path(args.result).write_text(json.dumps({"ok": False, **got, "error": "the process ended at the abort"}))
     aborted = worker.abort()
-    after = worker.submit(1, lambda: dist.all_reduce(torch.ones(1, device=dev)))
+    after = worker.submit(2, lambda: dist.all_reduce(torch.ones(1, device=dev)))
     try:
         after.wait(30.0)
         torch.cuda.synchronize()
@@ -109,8 +113,38 @@ def nccl_world1(args) -> dict:
     except Exception as exc:  # what the engine sees after aborting: an error, not a hang
         after_abort = f"{type(exc).__name__}: {str(exc)[:200]}"
     closed = worker.close(timeout_s=10.0)
-    ok = got["on_comm_stream"] and all(got["equal"]) and aborted and closed and "still ran" not in after_abort
+    ok = (got["on_comm_stream"] and all(got["equal"]) and got["user_beside_engine"]["ok"] and aborted and closed
+          and "still ran" not in after_abort)
     return {"ok": ok, **got, "aborted": aborted, "after_abort": after_abort, "comm_thread_closed": closed}
+
+
+def _user_beside_engine(worker, dev, rounds: int = 50) -> dict:
+    """``rounds`` all-reduces on an engine group from the comm thread (its stream) while the main
+    thread runs as many on the default group (the compute stream): both finish, with the sums."""
+    import torch.distributed as dist
+
+    from engine.parallel.dims import ParallelDims
+    from engine.parallel.topology import Layout
+    from engine.runtime import host
+
+    group = ParallelDims(Layout(1), "flat", 0, 1, dev, 30.0).comm("world", group_of_one=True).group
+
+    def engine_side():
+        t = torch.ones(1 << 16, device=dev)
+        for _ in range(rounds):
+            dist.all_reduce(t, group=group)
+        return float(host.to_host(t[:1])[0])
+
+    t0 = time.perf_counter()
+    pending = worker.submit(1, engine_side)
+    mine = torch.ones(1 << 16, device=dev)
+    for _ in range(rounds):
+        dist.all_reduce(mine)  # the user's: a metric, a logger
+    user = float(mine[0].item())
+    engine = pending.wait(60.0)
+    torch.cuda.synchronize()
+    return {"ok": user == 1.0 and engine == 1.0, "user_sum": user, "engine_sum": engine,
+            "seconds": round(time.perf_counter() - t0, 3)}
 
 
 # ------------------------------------------------------------------------------ two processes, one GPU, gloo

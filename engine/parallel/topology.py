@@ -11,8 +11,8 @@ number the ranks node by node (rank = node * G + local). ``topology`` (EngineCon
 - ``auto`` (default): two-level when there are at least 2 nodes of at least 2 ranks, else flat,
   which is the same exchange as before on one node or with one rank per node.
 
-The two levels are a 2-D DeviceMesh (node x local), as FSDP2/HSDP build theirs: the "local"
-dimension is a node's group, the "node" dimension a rail. docs/nodes.md.
+The groups of the two levels (a node's G ranks, a rail: one local index on every node) are made
+by engine/parallel/dims.py; docs/nodes.md.
 """
 
 from __future__ import annotations
