@@ -18,9 +18,12 @@ from .optimizers import OPTIMIZERS, OptimizerSpec, finite_number  # noqa: F401  
 from .shard_state import ShardState
 
 
-def init_state(master: torch.Tensor, spec: OptimizerSpec) -> ShardState:
-    """A fresh state around an fp32 copy of ``master``."""
-    return OPTIMIZERS[spec.name].init_state(master.detach().to(torch.float32).clone(), spec)
+def init_state(master: torch.Tensor, spec: OptimizerSpec, matrices=()) -> ShardState:
+    """A fresh state around an fp32 copy of ``master``; ``matrices``: the (start, rows, cols) of
+    the matrices in it that an optimizer steps whole (Muon's; the layout keeps each in one shard)."""
+    state = OPTIMIZERS[spec.name].init_state(master.detach().to(torch.float32).clone(), spec)
+    state.matrices = tuple(sorted(matrices))
+    return state
 
 
 def propose_step(state: ShardState, grad: torch.Tensor, lr: float, spec: OptimizerSpec) -> ShardState:
@@ -39,11 +42,21 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
                   fused: bool | None = None) -> None:
     """Values ``[a, b)`` of ``propose_step(state, grad, lr, spec)`` for ``grad = grad_sum / count``
     scaled by ``coef`` when below 1 (clipping), written into ``out``'s tensors: the same bits as
-    the whole step (every optimizer here is elementwise), so a round can step the shard piece by
+    the whole step (AdamW and SGD are elementwise; Muon steps each matrix whole with the piece it
+    starts in, and the pieces after it leave its values), so a round can step the shard piece by
     piece and send each piece as soon as it is done. ``out`` may be ``state`` itself (the fused
     kernel reads each value before it writes it). ``scratch``: fp32, at least ``b - a`` long (the
     fused kernel's square roots). ``fused``: what ``can_fuse`` said for these tensors (asked here
     when None)."""
+    module = OPTIMIZERS[spec.name]
+    if hasattr(module, "propose_range"):  # whole matrices (Muon): each stepped with the range it starts in
+
+        def grad_of(lo: int, hi: int) -> torch.Tensor:
+            grad = grad_sum[lo:hi] / count
+            return (grad.mul_(coef) if coef < 1.0 else grad).to(torch.float32)
+
+        module.propose_range(state, grad_of, lr, spec, out, a, b, state.matrices)
+        return
     sl = slice(a, b)
     if fused is None:
         fused = can_fuse(spec, grad_sum, state, out)
@@ -60,7 +73,6 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
     part = ShardState(state.master[sl], state.exp_avg[sl],
                       None if state.exp_avg_sq is None else state.exp_avg_sq[sl], state.step)
     target = ShardState(out.master[sl], out.exp_avg[sl], None if out.exp_avg_sq is None else out.exp_avg_sq[sl])
-    module = OPTIMIZERS[spec.name]
     if hasattr(module, "propose_into"):
         module.propose_into(part, grad, lr, spec, target)
         return

@@ -16,6 +16,8 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor | None = None
     step: int = 0
+    # (start, rows, cols) of each matrix an optimizer steps whole (Muon), sorted by start
+    matrices: tuple[tuple[int, int, int], ...] = ()
     _spare: "ShardState | None" = field(default=None, repr=False, compare=False)
 
     def spare(self) -> "ShardState":

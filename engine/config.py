@@ -183,7 +183,27 @@ class EngineConfig:
         validate_schedule(self.lr_schedule, self.warmup_steps, self.min_lr_ratio)
         self.optimizer_spec()
         self._check_unread_sections()
+        self._check_matrix_optimizer()
         self.check_model_sharding()
+
+    def _check_matrix_optimizer(self) -> None:
+        """optimizer='muon' steps whole matrices: a strategy whose owner steps whole shards, the
+        flat or two-level layout, and torch's Muon (torch >= 2.9)."""
+        if self.optimizer != "muon":
+            return
+        why = strategy_class(self.strategy).whole_matrices_refused if self.strategy in STRATEGIES else None
+        if why:
+            raise ValueError(f"optimizer='muon' with strategy {self.strategy!r}: {why}; use zero1, dpu or acco "
+                             "with Muon, or optimizer='adamw'")
+        if self.model_sharding != "none":
+            raise ValueError("optimizer='muon' with model_sharding='node': Muon needs each matrix whole on its "
+                             "owner and FSDP2 cuts matrices by rows over the node's ranks (gathering them inside "
+                             "the node is not built yet); use model_sharding='none' or optimizer='adamw'")
+        import torch
+
+        if not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"optimizer='muon' takes torch.optim.Muon's math, which torch {torch.__version__} "
+                             "lacks: install torch >= 2.9")
 
     def _check_accumulation(self) -> None:
         """The batch settings that only make sense together (the world-size check is Engine's)."""
@@ -239,7 +259,9 @@ class EngineConfig:
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(name=self.optimizer, betas=tuple(self.betas), eps=self.eps,
                              weight_decay=self.weight_decay, momentum=self.momentum,
-                             nesterov=self.nesterov)
+                             nesterov=self.nesterov, muon_momentum=self.muon_momentum,
+                             muon_nesterov=self.muon_nesterov, muon_ns_steps=self.muon_ns_steps,
+                             muon_adjust_lr=self.muon_adjust_lr)
 
     def to_dict(self) -> dict:
         """Nested, JSON-ready (what a checkpoint's engine.json holds)."""

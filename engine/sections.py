@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from acco_loco.optim import OPTIMIZERS
+from acco_loco.optimizers import MUON_ADJUST_LR
 from acco_loco.optim import finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES
@@ -54,6 +55,11 @@ class OptimizerConfig:
     weight_decay: float = setting(0.0, "decoupled weight decay")
     momentum: float = setting(0.9, "SGD momentum")
     nesterov: bool = setting(False, "SGD: Nesterov momentum")
+    muon_momentum: float = setting(0.95, "Muon's momentum (optimizer='muon': its matrices)")
+    muon_nesterov: bool = setting(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = setting(5, "Muon: Newton-Schulz iterations")
+    muon_adjust_lr: str = setting("match_rms_adamw", "Muon's lr per matrix shape: match_rms_adamw (one lr "
+                                  "for Muon and AdamW) or original (torch's default)")
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; none = no clipping")
 
     RULES: ClassVar[dict[str, Rule]] = {
@@ -64,6 +70,10 @@ class OptimizerConfig:
         "weight_decay": number(0),
         "momentum": number(0, 1, high_open=True),
         "nesterov": boolean,
+        "muon_momentum": number(0, 1, high_open=True),
+        "muon_nesterov": boolean,
+        "muon_ns_steps": integer(1),
+        "muon_adjust_lr": choice(MUON_ADJUST_LR),
         "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
     }
 

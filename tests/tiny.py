@@ -37,11 +37,49 @@ def flat_params(model) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector([p for p in model.parameters() if p.requires_grad]).detach().clone()
 
 
+class MuonAdamW:
+    """torch.optim.Muon on the model's 2-D weights and torch.optim.AdamW on the rest (the engine's
+    optimizer='muon' split for a model without embeddings), stepping one flat vector ``theta``."""
+
+    def __init__(self, theta: torch.Tensor, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999),
+                 eps: float = 1e-8, momentum: float = 0.95, nesterov: bool = True,
+                 adjust_lr_fn: str = "match_rms_adamw"):
+        self.theta = theta
+        self.pieces, self.bounds, at = [], [], 0
+        for p in model.parameters():
+            self.pieces.append(torch.zeros(p.shape, dtype=theta.dtype, requires_grad=True))
+            self.bounds.append((at, at + p.numel()))
+            at += p.numel()
+        matrices = [q for q in self.pieces if q.ndim == 2]
+        rest = [q for q in self.pieces if q.ndim != 2]
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                     nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+        self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for q, (a, b) in zip(self.pieces, self.bounds):
+                q.copy_(self.theta[a:b].view(q.shape))
+                q.grad = self.theta.grad[a:b].view(q.shape).clone()
+            self.muon.step()
+            self.adamw.step()
+            for q, (a, b) in zip(self.pieces, self.bounds):
+                self.theta[a:b].copy_(q.view(-1))
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
 class Reference:
     """Float64, no threads, no process group: each strategy's equations written out.
 
     ``streams[w]`` is worker w's micro-batch list; round r of worker w uses its micro-batches
-    [r*k, (r+1)*k). The optimizer is torch.optim.AdamW/SGD on one float64 flat vector; ACCO's
+    [r*k, (r+1)*k). The optimizer is torch.optim.AdamW/SGD on one float64 flat vector (or Muon +
+    AdamW on its pieces: ``MuonAdamW``); ACCO's
     estimate step runs on a deep copy of the optimizer, which is thrown away.
     """
 
@@ -51,8 +89,11 @@ class Reference:
         self.streams = [[(x.double(), y.double()) for x, y in s] for s in streams]
         self.k = k
         self.theta = flat_params(self.model).double().requires_grad_(True)
-        cls = torch.optim.AdamW if opt == "adamw" else torch.optim.SGD
-        self.opt = cls([self.theta], lr=lr, **opt_kwargs)
+        if opt == "muon":
+            self.opt = MuonAdamW(self.theta, self.model, lr=lr, **opt_kwargs)
+        else:
+            cls = torch.optim.AdamW if opt == "adamw" else torch.optim.SGD
+            self.opt = cls([self.theta], lr=lr, **opt_kwargs)
         self.round = 0
         # adaptive runs: round_counts[w][r] micro-batches of worker w in round r
         self.round_counts = round_counts

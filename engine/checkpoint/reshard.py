@@ -91,6 +91,10 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
     if meta0["numel"] != numel:
         raise ReshardError(f"{where} holds a model of {meta0['numel']} trainable values and this engine has "
                            f"{numel}: load it into the model it was saved from")
+    if getattr(flat, "matrices", None):
+        raise ReshardError(f"{where} was written by {n} workers and this run has {world}: with optimizer='muon' "
+                           "each rank owns whole matrices, placed for its world size (acco_loco/matrix_layout.py), "
+                           f"and re-cutting them for another is not built yet. Resume with {n} workers")
     step_in_progress = "it was taken between the rounds of a step" if meta0["round_index"] % \
         strategy.plan.rounds_per_step else None
     refused = step_in_progress or strategy.recut_refusal(meta0)

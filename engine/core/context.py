@@ -68,6 +68,18 @@ def warn_shared_elastic_store() -> None:
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment")
 
 
+def hidden_matrices(model: torch.nn.Module, named: list) -> list[bool]:
+    """Which trainable parameters Muon steps (optimizer='muon'): the 2-D weights of the hidden
+    layers. Not an embedding's (an ``nn.Embedding``, also when tied as the head), not the output
+    head (``get_output_embeddings()``, or a name with "lm_head"): those, and every 1-D parameter,
+    take AdamW's step, as Muon is used in practice (Jordan et al. 2024; Moonlight, arXiv 2502.16982)."""
+    out_of = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        out_of.add(id(head.weight))
+    return [p.ndim == 2 and id(p) not in out_of and "lm_head" not in name for name, p in named]
+
+
 def start_values(named: list, dims: ParallelDims) -> torch.Tensor:
     """Rank 0's trainable values in fp32, broadcast on the control group and written into every
     rank's parameters: every replica's start and every master shard are cut from them."""
@@ -101,11 +113,11 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
 
         return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype)
     comm = dims.comm("world")
+    whole = hidden_matrices(model, named) if spec.name == "muon" else None  # kept in one shard each
     flat = FlatParams([p for _, p in named], [n for n, _ in named], dims.world,
-                      math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_dtype=grad_dtype)
+                      math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_dtype=grad_dtype, whole=whole)
     dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, dims.device))  # pieces per collective
-    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=dims.device)
-    padded32[:flat.numel] = whole32
+    padded32 = flat.spread(whole32)
     flat.data.copy_(padded32)
     two_level = dims.layout if dims.kind == "two_level" else None  # the node layout, or None: flat
     if two_level is not None:
@@ -118,5 +130,7 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
     else:
         grads, params = make_collectives(cfg, flat.padded, dims.world, dims.device, dims.rank, dtype)
     owned = strategy.initial_values(flat, padded32, dims.rank, two_level)
-    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=spec, shard_state=init_state(owned, spec), grads=grads,
+    matrices = flat.matrices_in(dims.rank)  # the strategies Muon runs with own shard ``rank``
+    return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=spec, shard_state=init_state(owned, spec, matrices),
+                        grads=grads,
                         params=params, gather_buf=flat.data.clone(), dims=dims)  # what every replica holds

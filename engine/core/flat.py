@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from acco_loco.matrix_layout import place
+
 
 class FlatParams:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
-                 align: int, dtype: torch.dtype, grad_buffers: int = 2, grad_dtype: torch.dtype | None = None):
+                 align: int, dtype: torch.dtype, grad_buffers: int = 2, grad_dtype: torch.dtype | None = None,
+                 whole: list[bool] | None = None):
         if not params:
             raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                              "unfreeze at least one parameter")
@@ -31,14 +34,21 @@ class FlatParams:
         self.names = names
         self.world_size = world_size
         self.numel = sum(p.numel() for p in params)
-        unit = world_size * align
-        self.padded = -(-self.numel // unit) * unit
-        self.shard_size = self.padded // world_size
-        self.offsets: list[tuple[int, int]] = []
-        offset = 0
-        for p in params:
-            self.offsets.append((offset, offset + p.numel()))
-            offset += p.numel()
+        sizes = [p.numel() for p in params]
+        if whole is not None and any(whole):
+            # parameters an optimizer steps whole (Muon's matrices) stay in one shard each:
+            # acco_loco/matrix_layout.py packs them, the others fill around them in model order
+            starts, self.shard_size = place(sizes, whole, world_size, align)
+            self.padded = self.shard_size * world_size
+        else:
+            unit = world_size * align
+            self.padded = -(-self.numel // unit) * unit
+            self.shard_size = self.padded // world_size
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.offsets: list[tuple[int, int]] = [(a, a + n) for a, n in zip(starts, sizes)]
+        # (start, rows, cols) of each whole parameter, sorted by start
+        self.matrices = sorted((a, *p.shape) for (a, _), p, w in zip(self.offsets, params, whole or [])
+                               if w) if whole else []
 
         self.data = torch.zeros(self.padded, dtype=dtype, device=self.device)
         with torch.no_grad():
@@ -93,6 +103,21 @@ class FlatParams:
 
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard_size:(rank + 1) * self.shard_size]
+
+    def matrices_in(self, rank: int) -> list[tuple[int, int, int]]:
+        """The whole parameters (``matrices``) in shard ``rank``, their starts counted in it."""
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        return [(a - lo, rows, cols) for a, rows, cols in self.matrices if lo <= a < hi]
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """A padded buffer (``values``' dtype) with each parameter's values, given in model order
+        as one vector, at its offset; zeros in the padding."""
+        out = torch.zeros(self.padded, dtype=values.dtype, device=values.device)
+        at = 0
+        for a, b in self.offsets:
+            out[a:b] = values[at:at + b - a]
+            at += b - a
+        return out
 
     def install(self, values: torch.Tensor) -> None:
         """Make ``values`` (a whole padded buffer) the parameters the compute side runs on."""

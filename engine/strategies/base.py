@@ -51,6 +51,8 @@ class Strategy:
     # how its checkpointed tensors are re-cut at another world size, by name or by a prefix ending
     # in "." (the longest match wins): the optimizer's ``opt.*`` and what ``state_dict`` returns
     recut_rules: dict[str, Recut] = {"opt.": Recut("shard")}
+    # why an optimizer that steps whole matrices (optimizer='muon') cannot run under it; None: it can
+    whole_matrices_refused: str | None = "its rounds do not step an owner's whole shard"
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError

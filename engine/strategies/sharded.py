@@ -65,6 +65,7 @@ class RoundTotals:
 class ShardedStrategy(Strategy):
     two_level = True  # its reducer and gatherer take the node's level first (engine/parallel/two_level.py)
     node_sharding_refused = None  # its round runs on a rail's local-shard buffer as on a flat one
+    whole_matrices_refused = None  # an owner steps its whole shard (Muon: whole matrices, acco_loco/matrix_layout.py)
     kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
     quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
 
