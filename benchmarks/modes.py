@@ -127,6 +127,10 @@ MODES: dict[str, Mode] = {
     "acco+loco4": _ACCO_LOCO4_INT8,
     "acco+loco4+int8": _ACCO_LOCO4_INT8,  # the same mode under loco_quality's name
     "acco+loco4+int4params": _engine("acco", "loco4", "int4"),
+    # ... the same codecs on the synchronous ZeRO-1 round (named as the acco ones: int8 deltas
+    # unless int4params says otherwise)
+    "zero1+loco4": _engine("zero1", "loco4", "int8"),
+    "zero1+loco4+int4params": _engine("zero1", "loco4", "int4"),
     # free batch only: the shortest growing rounds, one micro-batch per round and worker whatever
     # the round costs (the smallest ACCO batch, 2 x workers micro-batches per step; the comm
     # side's CPU is not amortized)
@@ -177,7 +181,7 @@ def topology_of(name: str) -> str | None:
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
                    "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+dc", "acco+wp", "acco+loco4", "acco+loco4+int4params",
-                   "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
+                   "zero1+loco4", "zero1+loco4+int4params", "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap",
                    "sparseloco-h15+tiles", "sparseloco-h15+clip", "sparseloco-h15+efscale")
 # ... each engine mode also as <mode>@flat and <mode>@two_level
