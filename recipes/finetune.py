@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "set away from their defaults under another strategy, they are refused")
         group = groups.setdefault(title, p.add_argument_group(title))
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            group.add_argument(flag, action="store_true", help=f.metadata["help"])
+        if f.type in ("bool", bool):  # on by default: --no-<flag> turns it off
+            group.add_argument(flag, action=argparse.BooleanOptionalAction if f.default else "store_true",
+                               default=f.default, help=f.metadata["help"])
             continue
         group.add_argument(flag, type=_flag_type(str(f.type)), default=f.default,
                            choices=f.metadata["choices"], help=f.metadata["help"])

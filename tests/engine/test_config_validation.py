@@ -58,7 +58,11 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"max_steps": True}, "max_steps must be a positive integer, got True"),
     ({"max_steps": "1000"}, "max_steps must be a positive integer, got '1000'"),
     # optimizer
-    ({"optimizer": "lamb"}, "unknown optimizer 'lamb': choose one of ('adamw', 'sgd')"),
+    ({"optimizer": "lamb"}, "unknown optimizer 'lamb': choose one of ('adamw', 'sgd', 'muon')"),
+    ({"muon_momentum": 1.0}, "muon_momentum must be a finite number in [0, 1), got 1.0"),
+    ({"muon_nesterov": 1}, "muon_nesterov must be True or False (a bool, not 0/1 or a string), got 1"),
+    ({"muon_ns_steps": 0}, "muon_ns_steps must be a positive integer, got 0"),
+    ({"muon_adjust_lr": "none"}, "unknown muon_adjust_lr 'none': choose one of ('match_rms_adamw', 'original')"),
     ({"optimizer": "AdamW"}, "unknown optimizer 'AdamW'"),
     ({"optimizer": None}, "unknown optimizer None"),
     ({"lr": 0}, "lr must be a finite number > 0, got 0"),
