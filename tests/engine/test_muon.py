@@ -93,6 +93,21 @@ def test_world2_owners_step_whole_matrices_and_match_the_reference():
     assert torch.equal(r0[("acco", 1)][0], r0[("acco", 3)][0])  # pieces do not change the bits
 
 
+def _two_level(rank, world):
+    engine = _engine("acco", codec="loco4", group_size=8)
+    engine.fit(worker_stream(rank, 3 * K * (STEPS + 1)))
+    engine.close()
+    plain = _run(rank, world, "acco", {})
+    return engine.topology, flat_params(engine.model), plain
+
+
+def test_two_level_2x2_owners_step_whole_matrices():
+    out = spawn(_two_level, 4, timeout=300, env={"LOCAL_WORLD_SIZE": "2"})
+    assert {topology for topology, _, _ in out} == {"two_level"}
+    assert all(torch.equal(out[0][1], o[1]) and torch.equal(out[0][2][0], o[2][0]) for o in out)
+    assert rel_err(out[0][2][0], _reference(4, "acco")) < 1e-5  # the node sums in fp32, then the rails
+
+
 # ---------------------------------------------------------------- codecs, checkpoints, refusals
 def _compressed_and_resumed(rank, world, root):
     kw = {"codec": "loco4", "param_codec": "int4", "group_size": 8}
