@@ -490,10 +490,10 @@ def protocol_line(args) -> str:
         plans = ", ".join(f"{m} {p.describe()}" for m, p in args.batch_plans.items())
         return (f"matched batch: {args.global_batch} samples per optimizer step for every mode ({plans}; "
                 f"balance {args.balance}); lr warmup over the first 5% of {args.steps} steps, then cosine to "
-                f"10%; clipping {args.max_grad_norm:g}  ")
+                f"10%; clipping {args.max_grad_norm:g}; optimizer {getattr(args, 'optimizer', 'adamw')}  ")
     return (f"free batch: DDP at micro-batch {args.micro_batch} x its accumulation, engine modes grow "
             f"(accumulation 'grow', cap {args.max_micro_batches} micro-batches/round); constant lr; clipping "
-            f"{args.max_grad_norm:g}  ")
+            f"{args.max_grad_norm:g}; optimizer {getattr(args, 'optimizer', 'adamw')}  ")
 
 
 def layout_words(args) -> str:

@@ -72,7 +72,7 @@ def base_spec(args, seed: int, micro_batch: int) -> dict:
         # the held-out set is the same sequences for every mode: eval batches of the command's
         # --micro-batch, not the mode's (a mode at half the micro-batch saw half the set)
         "eval_batches": args.eval_batches, "eval_micro_batch": args.micro_batch,
-        "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm,
+        "timeout_s": 300.0, "max_grad_norm": args.max_grad_norm, "optimizer": getattr(args, "optimizer", "adamw"),
         "ranks_per_node": ranks_per_node(args),
     }
 
@@ -288,7 +288,7 @@ def summarize_run(mode: str, lr: float, seed: int, res: list[dict], spec: dict |
         "wire_bytes_inter_per_step_engine": per_class["wire_bytes_inter"],
         **{k: spec.get(k) for k in ("protocol", "global_batch", "micro_batch", "accumulation",
                                     "global_micro_batches", "lr_schedule")},
-        "data": spec.get("data", "per-rank"),
+        "data": spec.get("data", "per-rank"), "optimizer": spec.get("optimizer", "adamw"),
         "samples_per_step_median": statistics.median(h["samples"] for h in hist) if hist else None,
         "samples_per_step_mean": samples / steps if steps else None,
         "startup_s": max(r["startup_s"] for r in res),

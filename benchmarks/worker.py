@@ -242,6 +242,22 @@ def ddp_micro_batches(ddp, loss_fn, it, acc: int, rank: int, t0: float, step: in
     return loss_sum
 
 
+def ddp_optimizers(model: torch.nn.Module, spec: dict) -> list[torch.optim.Optimizer]:
+    """torch DDP's optimizers: AdamW on everything, or with ``optimizer="muon"`` torch.optim.Muon on
+    the hidden matrices (the engine's split: engine/core/context.py ``hidden_matrices``) and
+    AdamW on the rest, Muon's update scaled to AdamW's RMS so that one lr serves both."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    if spec.get("optimizer", "adamw") != "muon":
+        return [torch.optim.AdamW([p for _, p in named], **adamw)]
+    from engine.core.context import hidden_matrices
+
+    whole = hidden_matrices(model, named)
+    return [torch.optim.Muon([p for (_, p), w in zip(named, whole) if w], lr=spec["lr"], weight_decay=0.0,
+                             momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([p for (_, p), w in zip(named, whole) if not w], **adamw)]
+
+
 def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     from lm.data import hf_lm_loss
 
@@ -253,10 +269,9 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
     # every gradient, so a ring sends 2(N-1)/N of their total
     bucket_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
     per_sync = 2 * (world - 1) * bucket_bytes // world
-    opt = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.0)
+    opts = ddp_optimizers(model, spec)
     schedule = spec_schedule(spec)
-    sched = SharedLR(opt, schedule) if schedule is not None else None
+    scheds = [SharedLR(opt, schedule) for opt in opts] if schedule is not None else []
     per_step_samples = world * acc * spec["micro_batch"]
     steps = math.ceil(spec["samples"] / per_step_samples)
 
@@ -273,11 +288,13 @@ def run_ddp(spec: dict, rank: int, world: int, t_init: float) -> dict:
         t = time.perf_counter()
         if spec["max_grad_norm"]:  # the gradients are the workers' average here
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), spec["max_grad_norm"])
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        if sched is not None:
+        lr = opts[0].param_groups[0]["lr"]
+        for opt in opts:
+            opt.step()
+        for sched in scheds:
             sched.step()
-        opt.zero_grad(set_to_none=False)
+        for opt in opts:
+            opt.zero_grad(set_to_none=False)
         now = time.perf_counter()
         timeline.append(("optimizer", rank, t - t0, now - t0, step))
         samples += per_step_samples
@@ -319,7 +336,8 @@ def engine_config(spec: dict):
         batch = {"accumulation": "grow", "micro_batches": 1, "max_micro_batches": spec["max_micro_batches"],
                  "max_round_overhead": spec["max_round_overhead"], "lr": spec["lr"], "max_steps": 10**9}
     return EngineConfig(**{
-        "optimizer": "adamw", "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "seed": spec["seed"],
+        "optimizer": spec.get("optimizer", "adamw"), "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+        "seed": spec["seed"],
         "compute_dtype": "float32", "comm_chunks": spec["comm_chunks"], "group_size": spec["group_size"],
         "max_grad_norm": spec["max_grad_norm"] or None, "record_timeline": True, "timeout_s": spec["timeout_s"],
         "heartbeat_s": min(1.0, spec["timeout_s"] / 3), **batch, **MODES[spec["mode"]].engine_kwargs()})

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "equal samples)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="global gradient-norm clipping for every mode (0: off)")
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                    help="every mode's optimizer: muon = Muon on the hidden matrices, AdamW on the rest "
+                    "(torch DDP: torch.optim.Muon + torch.optim.AdamW for the same split; the engine: "
+                    "optimizer='muon')")
     ap.add_argument("--hetero", action="store_true",
                     help="3 workers: two pinned to core 0, one alone on core 1")
     ap.add_argument("--target-loss", type=float, default=None,
@@ -376,6 +380,11 @@ def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
         if other:
             print(f"error: --merge {path}: its runs trained under (protocol, global batch) {sorted(other, key=str)}, "
                   f"this run under {want}: a table holds one", file=sys.stderr)
+            return None
+        optimizers = {r.get("optimizer", "adamw") for r in runs_in} - {args.optimizer}
+        if optimizers:
+            print(f"error: --merge {path}: its runs trained with optimizer {sorted(optimizers)}, this run with "
+                  f"{args.optimizer!r}: a table compares modes at one optimizer", file=sys.stderr)
             return None
         # with every worker reading the same count per step, each worker's own stream and the dealt
         # order give a step the same windows; speed shares do not
