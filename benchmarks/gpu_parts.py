@@ -529,7 +529,7 @@ def model_sharding(args) -> dict:
     and FSDP2's unsharded blocks freed (engine/runtime/memory_accounting.py ``fsdp_unsharded_bytes``)."""
     from engine import Engine, EngineConfig
     from engine.planner.memory import node_sharded_bytes
-    from engine.runtime.memory_accounting import engine_held_bytes, fsdp_unsharded_bytes
+    from engine.runtime.memory_accounting import fsdp_unsharded_bytes, held_bytes
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -551,7 +551,7 @@ def model_sharding(args) -> dict:
         want_held = sum(v for k, v in want.items() if k != "temporaries")
         row = {"steps": len(history), "losses": losses, "params": local,
                "formula_bytes_per_param": want_held / local,
-               "accounted_bytes_per_param": sum(engine_held_bytes(engine).values()) / local,
+               "accounted_bytes_per_param": sum(held_bytes(engine.model, engine.ctx, engine.strategy).values()) / local,
                "fsdp_unsharded_bytes": fsdp_unsharded_bytes(engine.model)}
         if cuda:
             workspaces = _cublas_workspace_bytes()
