@@ -1,0 +1,43 @@
+"""The memory of every strategy under each layout, from the planner (engine/planner/memory.py),
+for the users' layouts: the table of docs/memory.md.
+
+    python -m benchmarks.memory_table          # markdown, both layouts
+
+Bytes per GPU after a step, by what holds them (the categories the runtime's own accounting
+measures: engine/runtime/memory_accounting.py), for Llama-3.1-70B on 8 nodes x 8 GPUs of 80 GB
+and Llama-3.1-8B on 2 nodes x 8, bf16, B = 1024 x 4096 tokens, micro-batch 1, and whether state +
+activations fit 79.6 GiB (with activation checkpointing where the plan needs it). Formulas, not
+measurements: where they are held against runs is docs/planning.md's."""
+
+from __future__ import annotations
+
+from engine.parallel.topology import Layout
+from engine.planner.hardware import gpu
+from engine.planner.recommend import make_plan
+from engine.planner.shape import PRESETS
+from engine.planner.timeline import Batch
+from engine.planner.wire import WireSettings
+
+GIB = 2**30
+CASES = (("70b", Layout(8, 8)), ("8b", Layout(2, 8)))
+COLUMNS = ("parameters", "gradients", "optimizer", "codec state", "comm buffers", "state", "activations", "fits")
+
+
+def table(name: str, layout: Layout) -> str:
+    plan = make_plan(PRESETS[name], layout, gpu(10, mfu=0.4), Batch(1024, 1), WireSettings(compute_bytes=2))
+    lines = [f"**{name.upper()} on {layout.nodes} nodes x {layout.ranks_per_node} GPUs** (GiB per GPU)", "",
+             "| mode | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    for r in sorted(plan.rows, key=lambda r: r.memory.total):
+        m = r.memory
+        cells = [m.params, m.grads, m.optimizer, m.codec_state, m.buffers, m.total, r.activations]
+        fits = ("yes, checkpointed" if r.checkpointing else "yes") if r.fits else "no"
+        lines.append(f"| {r.mode.name} | " + " | ".join(f"{v / GIB:.3g}" for v in cells) + f" | {fits} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print("\n\n".join(table(name, layout) for name, layout in CASES))
+
+
+if __name__ == "__main__":
+    main()
