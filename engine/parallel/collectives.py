@@ -158,8 +158,19 @@ class CompressedGrads:
         fused = (self.fused and kernel_policy.fits(full)
                  and all(p % 4 == 0 for _, _, p, _ in segs))  # the scales land word-aligned
         sends, recvs = [], []
+        # kept rows: piece 0 (it carries every sender's count, read by every decode) and two slots
+        # the later pieces take in turn (piece k's rows are free once piece k - 2 is decoded),
+        # so the rows held do not grow with the pieces; stochastic rounding encodes every piece
+        # before the first is sent and keeps them all
+        turns = self.generator is None and len(segs) > 3
+        width = max((p + s for _, _, p, s in segs[1:]), default=0)
         for k, (a, b, p, s) in enumerate(segs):
             shape = (n, p + s + (4 if k == 0 else 0))  # the first piece ends with the sender's count
+            if turns and k > 0:
+                slot = 1 + (k - 1) % 2
+                sends.append(comm.buffer(("grads.send", slot), (n * width,), torch.uint8, dev)[:n * shape[1]].view(shape))
+                recvs.append(comm.buffer(("grads.recv", slot), (n * width,), torch.uint8, dev)[:n * shape[1]].view(shape))
+                continue
             sends.append(comm.buffer(("grads.send", k), shape, torch.uint8, dev))
             recvs.append(comm.buffer(("grads.recv", k), shape, torch.uint8, dev))
         p0, s0 = segs[0][2], segs[0][3]

@@ -17,7 +17,9 @@ optimizer, g = codec group, G = ranks per node:
                         24/N           fp32 master and moments, the spare a step is proposed into
                         4/N + 4/N per kept shard   the reducer's fp32 output (+ ACCO's kept half)
                         2 (1 + 4/g) V/P   codec: int8 error + group scales, its rollback copy
-                        2 (b/8 + 4/g) V/P codec: send and receive rows, every piece kept
+                        2 (b/8 + 4/g) V/P min(c, 3)/c   codec: send and receive rows of
+                                       piece 0 and of two slots the later pieces take in turn
+                                       (stochastic rounding keeps every piece: not modelled)
                         (1 + 1/N)(b/8 + 4/g) V/P   b-bit parameter deltas: send and receive
                         2w/(N c), 2w/c  a cast gather in pieces or to another dtype (one piece in
                                        the held dtype goes straight into the gathered buffer)
@@ -125,7 +127,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     else:
         row = grad_bits / 8 + 4 / g
         out["error_feedback"] = 2 * values * (1 + 4 / g)
-        out["comm"] += 2 * values * row  # send and receive, every piece kept
+        out["comm"] += 2 * values * row * min(c, 3) / c  # send and receive: piece 0 and two slots in turn
     if delta_bits is None:
         if wire != 4:  # the fp32 master's piece cast to the wire dtype
             out["comm"] += slots * shard * wire

@@ -21,6 +21,8 @@ MODES = {
     "acco": dict(strategy="acco"),
     "acco+loco4+int4params": dict(strategy="acco", codec="loco4", param_codec="int4"),
     "zero1+fp32-grads": dict(strategy="zero1", grad_dtype="float32"),  # auto: the compute dtype uncompressed
+    # 5 pieces: the compressed rows of piece 0 and of two slots the later pieces take in turn
+    "acco+loco4 in 5 pieces": dict(strategy="acco", codec="loco4", comm_chunks=5),
 }
 DTYPES = {"float32": 4, "bfloat16": 2}
 EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
