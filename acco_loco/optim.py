@@ -44,12 +44,18 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
     scaled by ``coef`` when below 1 (clipping), written into ``out``'s tensors: the same bits as
     the whole step (AdamW and SGD are elementwise; Muon steps each matrix whole with the piece it
     starts in, and the pieces after it leave its values), so a round can step the shard piece by
-    piece and send each piece as soon as it is done. ``out`` may be ``state`` itself (the fused
-    kernel reads each value before it writes it). ``scratch``: fp32, at least ``b - a`` long (the
-    fused kernel's square roots). ``fused``: what ``can_fuse`` said for these tensors (asked here
-    when None)."""
+    piece and send each piece as soon as it is done. ``a`` and ``b`` are shard indices: ``out``
+    may hold the whole shard (a spare), only values [a, b) (a piece-sized scratch,
+    ``ShardState.start`` a; not for Muon, whose matrices reach past a piece), or be ``state``
+    itself (the step recomputed in place: the same operations on the same values, so the same
+    bits; the fused kernel reads each value before it writes it). Reads ``state.step + 1`` for
+    the step's count. ``scratch``: fp32, at least ``b - a`` long (the fused kernel's square
+    roots). ``fused``: what ``can_fuse`` said for these tensors (asked here when None)."""
     module = OPTIMIZERS[spec.name]
     if hasattr(module, "propose_range"):  # whole matrices (Muon): each stepped with the range it starts in
+        if out.start != 0 or out.master.numel() != state.master.numel():
+            raise ValueError(f"optimizer {spec.name!r} steps whole matrices that may reach past a piece: "
+                             "propose into a whole-shard state (step_copy='whole')")
 
         def grad_of(lo: int, hi: int) -> torch.Tensor:
             grad = grad_sum[lo:hi] / count
@@ -58,21 +64,19 @@ def propose_slice(state: ShardState, grad_sum: torch.Tensor, count: int, coef: f
         module.propose_range(state, grad_of, lr, spec, out, a, b, state.matrices)
         return
     sl = slice(a, b)
+    part, target = state.part(a, b), out.part(a, b)
     if fused is None:
         fused = can_fuse(spec, grad_sum, state, out)
     if fused and scratch is not None:
         from . import kernels
 
-        kernels.adamw(grad_sum[sl], count, coef, state.exp_avg[sl], state.exp_avg_sq[sl], state.master[sl],
-                      out.exp_avg[sl], out.exp_avg_sq[sl], out.master[sl], lr, state.step + 1, spec, scratch[:b - a])
+        kernels.adamw(grad_sum[sl], count, coef, part.exp_avg, part.exp_avg_sq, part.master,
+                      target.exp_avg, target.exp_avg_sq, target.master, lr, state.step + 1, spec, scratch[:b - a])
         return
     grad = grad_sum[sl] / count
     if coef < 1.0:
         grad.mul_(coef)
     grad = grad.to(torch.float32)
-    part = ShardState(state.master[sl], state.exp_avg[sl],
-                      None if state.exp_avg_sq is None else state.exp_avg_sq[sl], state.step)
-    target = ShardState(out.master[sl], out.exp_avg[sl], None if out.exp_avg_sq is None else out.exp_avg_sq[sl])
     if hasattr(module, "propose_into"):
         module.propose_into(part, grad, lr, spec, target)
         return

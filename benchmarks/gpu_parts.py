@@ -530,6 +530,7 @@ def model_sharding(args) -> dict:
     from engine import Engine, EngineConfig
     from engine.planner.memory import node_sharded_bytes
     from engine.runtime.memory_accounting import fsdp_unsharded_bytes, held_bytes
+    from engine.strategies.spec import resolve_step_copy
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -547,7 +548,8 @@ def model_sharding(args) -> dict:
         local = engine.flat.padded
         want = node_sharded_bytes(local, nodes=1, overlap=engine.plan.overlap, kept_shards=int(name == "acco"),
                                   compute_bytes=engine.flat.dtype.itemsize, chunks=engine.comm.chunks,
-                                  backend="nccl" if cuda else "gloo", frozen=frozen)
+                                  backend="nccl" if cuda else "gloo", frozen=frozen,
+                                  step_copy=resolve_step_copy(engine.cfg.step_copy, cuda))
         want_held = sum(v for k, v in want.items() if k != "temporaries")
         row = {"steps": len(history), "losses": losses, "params": local,
                "formula_bytes_per_param": want_held / local,

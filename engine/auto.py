@@ -92,7 +92,7 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
             v.copy_(buffers[k])
     dtype = resolve_compute_dtype(cfg.compute_dtype, params[0].dtype)
     ws = WireSettings(compute_bytes=torch.empty((), dtype=dtype).element_size(), group_size=cfg.group_size,
-                      scale_dtype=cfg.scale_dtype, grad_dtype=cfg.grad_dtype)
+                      scale_dtype=cfg.scale_dtype, grad_dtype=cfg.grad_dtype, step_copy=cfg.step_copy)
     hw = (gpu(measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9 or 450.0, samples_per_s=samples_per_s)
           if device.type == "cuda" else cpu_testbed(measured.inter_Bps * 8, samples_per_s))
     shape = ModelShape(numel, 1, 1, 1, 1)

@@ -188,13 +188,17 @@ class EngineConfig:
 
     def _check_matrix_optimizer(self) -> None:
         """optimizer='muon' steps whole matrices: a strategy whose owner steps whole shards, the
-        flat or two-level layout, and torch's Muon (torch >= 2.9)."""
+        flat or two-level layout, the whole spare (step_copy), and torch's Muon (torch >= 2.9)."""
         if self.optimizer != "muon":
             return
         why = strategy_class(self.strategy).whole_matrices_refused if self.strategy in STRATEGIES else None
         if why:
             raise ValueError(f"optimizer='muon' with strategy {self.strategy!r}: {why}; use zero1, dpu or acco "
                              "with Muon, or optimizer='adamw'")
+        if self.step_copy == "piece":
+            raise ValueError("step_copy='piece' with optimizer='muon': Muon steps whole matrices, which reach past "
+                             "a piece's scratch, so its step is proposed into the whole spare: use step_copy='auto' "
+                             "or 'whole'")
         if self.model_sharding != "none":
             raise ValueError("optimizer='muon' with model_sharding='node': Muon needs each matrix whole on its "
                              "owner and FSDP2 cuts matrices by rows over the node's ranks (gathering them inside "

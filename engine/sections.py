@@ -15,7 +15,8 @@ from acco_loco.optim import finite_number as _finite
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES
 
-from .parallel.topology import TOPOLOGIES  # names only: a strategy's module loads when first used
+from .parallel.topology import TOPOLOGIES
+from .strategies.spec import STEP_COPIES  # names only: a strategy's module loads when first used
 from .rules import Check, Choice, Rule, boolean, choice, integer, is_int, number, optional, setting
 
 MODEL_SHARDINGS = ("none", "node")
@@ -61,6 +62,12 @@ class OptimizerConfig:
     muon_adjust_lr: str = setting("match_rms_adamw", "Muon's lr per matrix shape: match_rms_adamw (one lr "
                                   "for Muon and AdamW) or original (torch's default)")
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; none = no clipping")
+    step_copy: str = setting("auto", "where a sharded round proposes its step until every rank's new parameters "
+                             "are known finite: whole = a spare copy of the shard's master and moments (12 "
+                             "bytes per owned value with AdamW), installed as it is; piece = a few piece-sized "
+                             "scratch slots, the step recomputed in place at install (the same bits; a commit "
+                             "round runs the optimizer twice); auto = piece on CUDA, whole elsewhere and with "
+                             "optimizer='muon' (its matrices reach past a piece)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "name": choice(tuple(OPTIMIZERS)),
@@ -75,6 +82,7 @@ class OptimizerConfig:
         "muon_ns_steps": integer(1),
         "muon_adjust_lr": choice(MUON_ADJUST_LR),
         "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
+        "step_copy": choice(STEP_COPIES),
     }
 
 

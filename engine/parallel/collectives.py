@@ -319,11 +319,13 @@ class CastParams(_Gatherer):
         self._held = held
         return super().begin(comm, held)
 
-    def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0) -> None:
+        """Send piece k of ``new_shard`` (its first value the shard's ``start``); a piece sent as it
+        is (already in the wire dtype) is read until the push of piece k + 2 has drained it."""
         held, dev = self._held, new_shard.device
         self._drain(comm, keep=1)  # piece k - 2 is in place: its buffers are free
         a, b = self._bounds[k]
-        piece = new_shard[a:b]
+        piece = new_shard[a - start:b - start]
         if piece.dtype != self.wire_dtype or not piece.is_contiguous():
             piece = comm.slot("params.cast", k, self._bounds, 1, self.wire_dtype, dev).view(-1).copy_(piece)
         if len(self._bounds) == 1 and held.dtype == self.wire_dtype:
@@ -365,15 +367,17 @@ class DeltaParams(_Gatherer):
     def _fused_for(self, held: torch.Tensor, *tensors: torch.Tensor) -> bool:
         return self.fused and kernel_policy.fits(held, *tensors)
 
-    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, held: torch.Tensor | None = None) -> None:
-        """Send piece k of Q(new_shard - mine), mine = this rank's shard of ``held``."""
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0,
+             held: torch.Tensor | None = None) -> None:
+        """Send piece k of Q(new_shard - mine), mine = this rank's shard of ``held``; ``new_shard``'s
+        first value is the shard's ``start`` (it is read here, encoded into the piece's own send buffer)."""
         held = self._held if held is None else held
         a, b, p, s = self._bounds[k]
         codec, dev = self.codec, held.device
         send = comm.buffer(("params.send", k), (p + s,), torch.uint8, dev)
         recv = comm.buffer(("params.recv", k), (comm.world_size * (p + s),), torch.uint8, dev)
         lo = comm.rank * self._shard
-        mine, new = held[lo + a:lo + b], new_shard[a:b]
+        mine, new = held[lo + a:lo + b], new_shard[a - start:b - start]
         if self._fused_now is None:  # once a round
             self._fused_now = self._fused_for(held, new_shard)
         if self._fused_now and p % 4 == 0:

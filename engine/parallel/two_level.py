@@ -110,8 +110,8 @@ class TwoLevelParams:
         """Every rail's new slice into ``held`` (the node's all-gather)."""
         gather_slices(self.node, self._slice, held, self.layout)
 
-    def push(self, comm: Comm, k: int, new_shard: torch.Tensor) -> None:
-        self.inner.push(self.rail, k, new_shard)
+    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0) -> None:
+        self.inner.push(self.rail, k, new_shard, start)
 
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
         """Install the new parameters in ``held`` once every rail's are in and finite; else

@@ -15,6 +15,9 @@ optimizer, g = codec group, G = ranks per node:
                       (P flat, P/G two-level), c pieces (``Comm.pieces``), w a cast gather's bytes:
                         2e + 2e_g      parameters, gathered buffer, two gradient buffers
                         24/N           fp32 master and moments, the spare a step is proposed into
+                                       (step_copy 'whole'); 'piece': 12/N and piece-sized
+                                       scratch, min(c, 3) fp32 master slots and one of moments:
+                                       (4 min(c, 3) + 8)/(N c)
                         4/N + 4/N per kept shard   the reducer's fp32 output (+ ACCO's kept half)
                         2 (1 + 4/g) V/P   codec: int8 error + group scales, its rollback copy
                         2 (b/8 + 4/g) V/P min(c, 3)/c   codec: send and receive rows of
@@ -33,7 +36,8 @@ optimizer, g = codec group, G = ranks per node:
                       e/G for the gradient, into which the round then gathers the new parameters
                       (an overlapping strategy: 2e/G gradients, compute accumulating into one while
                       the round reads the other, and e/G gathered), the optimizer's 24/N + 4/N per
-                      kept shard with N = G x M, the codec's error on the 1/G, the rail's buffers;
+                      kept shard with N = G x M (step_copy 'piece': 12/N and the scratch), the
+                      codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
     whole             37 + 4/N fp32, 33 + 4/N bf16 with bf16 gradient buffers, 2 (e_g - e) more with
                       fp32 ones (after the freeze: m, v_T, e_w whole)
@@ -43,15 +47,17 @@ Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.parallel.topology import Layout
-from engine.strategies.spec import MemorySpec, WireSettings
+from engine.strategies.spec import MemorySpec, WireSettings, resolve_step_copy
 
 from .modes import Mode
 from .shape import ModelShape
 
 MAX_PIECE_VALUES = 1 << 24  # engine/parallel/comm.py's: a piece of all ranks' shards together
+PIECE_ALIGN = 32  # engine/parallel/comm.py's: where a piece may start (with a codec: its groups too)
 # a round's temporaries per value (the torch path: what a GPU runs; measured by
 # tests/engine/test_memory_accounting.py): the optimizer's piece (its gradient and Adam's
 # denominator), the compressed reduce-scatter's encode of one destination's piece (the
@@ -85,7 +91,8 @@ def _bits(codec: str) -> int | None:
 def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool = False,
                kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
                compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
-               optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4) -> dict[str, float]:
+               optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4,
+               step_copy: str = "whole") -> dict[str, float]:
     """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
     it keeps between rounds) on an unsharded model, by the
     categories of engine/runtime/memory_accounting.py, plus ``temporaries``: the largest set a round
@@ -93,6 +100,8 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
 
     ``params``: the padded trainable values P; ``chunks``: the engine's comm_chunks (resolved);
     ``optimizer_state``: fp32 bytes per owned value (AdamW 12, SGD with momentum 8);
+    ``step_copy``: where a step is proposed, resolved (``resolve_step_copy``): 'whole', a spare
+    as large as the state; 'piece', min(c, 3) master slots and one slot of moments a piece long;
     ``grad_bytes``: the gradient buffers' dtype bytes (4: grad_dtype auto; the compute dtype's
     with grad_dtype='compute'), which an uncompressed gradient also travels in."""
     p, e, n, g, ge = float(params), compute_bytes, world, group_size, grad_bytes
@@ -107,11 +116,20 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
         return max(chunks, -(-int(total) // MAX_PIECE_VALUES))
 
     c = pieces(values)
+    if step_copy not in ("whole", "piece"):
+        raise ValueError(f"step_copy {step_copy!r}: 'whole' or 'piece' (resolve 'auto' first: resolve_step_copy)")
+    # the state, and the spare a step is proposed into or the piece-sized scratch (ShardState.scratch):
+    # a master slot per piece (three at most) and one of moments, as long as the gatherer's longest piece
+    if step_copy == "whole":
+        spare = optimizer_state * shard
+    else:
+        cut, width = _longest_piece(shard, c, math.lcm(PIECE_ALIGN, g) if delta_bits is not None else PIECE_ALIGN)
+        spare = (4 * min(cut, 3) + optimizer_state - 4) * width
     out = {
         "gradients": 2 * ge * p,
         "parameters": e * p + e * frozen,
         "gathered": e * p,
-        "optimizer": 2 * optimizer_state * shard,  # the state and the spare a step is proposed into
+        "optimizer": optimizer_state * shard + spare,
         "error_feedback": 0.0,
         "strategy": 4 * shard * kept_shards,  # ACCO's kept estimate half
         "comm": 4 * shard,  # the reducer's fp32 output
@@ -158,9 +176,21 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     return out
 
 
+def _longest_piece(size: float, count: int, unit: int) -> tuple[int, float]:
+    """(pieces, values of the longest) of a ``size``-long shard cut into ``count`` pieces that
+    start on multiples of ``unit`` (engine/parallel/comm.py ``chunk_bounds``: the first is the longest)."""
+    size = math.ceil(size)
+    if size <= 0:
+        return 1, 0.0
+    count = max(1, min(count, -(-size // unit)))
+    step = -(-size // (count * unit)) * unit
+    return -(-size // step), float(min(size, step))
+
+
 def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: int = 0, codec: str = "none",
                        param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
-                       backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0) -> dict[str, float]:
+                       backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0,
+                       step_copy: str = "whole") -> dict[str, float]:
     """Bytes one rank of a model_sharding='node' run holds after a step (engine/parallel/sharding.py), by
     the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
@@ -171,7 +201,8 @@ def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: 
     unsharded blocks while compute runs (``fsdp_block_bytes``)."""
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
-                     optimizer_state=optimizer_state, frozen=frozen, grad_bytes=compute_bytes)
+                     optimizer_state=optimizer_state, frozen=frozen, grad_bytes=compute_bytes,
+                     step_copy=step_copy)
     if not overlap:
         out["gradients"], out["gathered"] = compute_bytes * float(local), 0.0
     return out
@@ -190,15 +221,16 @@ def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, 
 def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e, n, g = ws.compute_bytes, layout.world, layout.ranks_per_node
     pt, frozen = shape.trainable, shape.params - shape.trainable
+    copy = resolve_step_copy(ws.step_copy, cuda=True)  # a GPU's: the planner's memory is per GPU
     if mode.sharding == "node":
         held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,
                                   codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e,
-                                  group_size=ws.group_size, frozen=frozen / g)
+                                  group_size=ws.group_size, frozen=frozen / g, step_copy=copy)
         return Memory(held["parameters"] + held["gathered"] + fsdp_block_bytes(shape, e), held["gradients"],
                       held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"])
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
-                      frozen=frozen, grad_bytes=ws.grad_bytes(mode))
+                      frozen=frozen, grad_bytes=ws.grad_bytes(mode), step_copy=copy)
     return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
                   held["error_feedback"], held["comm"] + held["temporaries"])
 

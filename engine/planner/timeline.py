@@ -15,7 +15,8 @@ testbed), ``shared`` the CPU it takes from compute:
                   plus the outer round / H; with outer_overlap the outer round runs behind the
                   next H inner steps and only what exceeds them is exposed.
 
-R and the overlap are the strategy's round plan, the round's work its spec's (engine/strategies/spec.py).
+R and the overlap are the strategy's round plan, the round's work its spec's (engine/strategies/spec.py),
+plus, under step_copy 'piece' (auto on a GPU), the shard's optimizer once more per installing round.
 With the model sharded over the node, FSDP2's per-micro-batch collectives inside the node run
 behind compute (only what exceeds it counts) and the round has no intra-node part of its own.
 """
@@ -23,6 +24,8 @@ behind compute (only what exceeds it counts) and the round has no intra-node par
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.strategies.spec import resolve_step_copy
 
 from .hardware import Hardware
 from .modes import Mode
@@ -91,10 +94,14 @@ def step_time(mode: Mode, shape: ModelShape, layout: Layout, hw: Hardware, batch
     world = layout.nodes if two_level else n
     slice_ = -(-numel // g) if two_level else numel
     shard = padded(slice_, world, ALIGN) / world
+    rounds = b.rounds
     work = hw.work_s(mode.spec.work(numel, slice_, shard, mode))
+    if mode.spec.installs and resolve_step_copy(ws.step_copy, cuda=not hw.shares_core) == "piece":
+        # the step recomputed in place at install: the shard's optimizer once more per installing
+        # round (where the round's constant folds the optimizer in, the compute side's rate)
+        work += (hw.shard_opt_s_per_param or hw.optimizer_s_per_param) * shard * mode.spec.installs / rounds
     inter = hw.wire_s(b.round_node_link)
     intra = hw.intra_s(b.round_intra_rank) if mode.sharding == "none" else 0.0  # sharded: FSDP2 did it
-    rounds = b.rounds
     round_s = work + inter + intra
     shared = (work + transport / rounds) if hw.shares_core else 0.0
     if mode.overlap:  # each round hides behind 1/rounds of the step's compute

@@ -75,16 +75,16 @@ class Acco(ShardedStrategy):
         if req.kind is RoundKind.ESTIMATE and (self.predict_steps or self.dc_lambda):
             return lambda proposal, a, b: self._estimate_piece(ctx, proposal, a, b)
         if req.kind is RoundKind.COMMIT and self.predict_steps:
-            return lambda proposal, a, b: torch.sub(proposal.master[a:b], ctx.shard_state.master[a:b],
+            return lambda proposal, a, b: torch.sub(proposal.part(a, b).master, ctx.shard_state.master[a:b],
                                                     out=self.last_update[a:b])
         return None
 
     def _estimate_piece(self, ctx: RoundContext, proposal, a: int, b: int) -> None:
+        sent = proposal.part(a, b).master  # the spare's, or a piece-sized scratch's (step_copy)
         if self.predict_steps:
-            delay.predict_(proposal.master[a:b], ctx.shard_state.master[a:b], self.last_update[a:b],
-                           self.predict_steps)
+            delay.predict_(sent, ctx.shard_state.master[a:b], self.last_update[a:b], self.predict_steps)
         if self.dc_lambda:
-            self.sent_estimate[a:b].copy_(proposal.master[a:b])
+            self.sent_estimate[a:b].copy_(sent)
 
     def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
         stepped = not totals.nonfinite and totals.count > 0

@@ -41,7 +41,7 @@ from acco_loco.schedule import lr_at
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Strategy
-from .spec import MemorySpec, StrategySpec, sharded_round_parts, sharded_work
+from .spec import MemorySpec, StrategySpec, resolve_step_copy, sharded_round_parts, sharded_work
 
 
 @dataclass
@@ -72,6 +72,7 @@ class ShardedStrategy(Strategy):
     @classmethod
     def spec(cls) -> StrategySpec:
         return StrategySpec(rounds=len(cls.plan.kinds), overlap=cls.plan.overlap,
+                            installs=cls.plan.kinds.count(RoundKind.COMMIT),
                             memory=MemorySpec("sharded", cls.kept_shards), round_parts=sharded_round_parts,
                             work=sharded_work, adamw_class=True, codec_variants=True,
                             quality_proxy=cls.quality_proxy)
@@ -89,7 +90,9 @@ class ShardedStrategy(Strategy):
 
     def after_piece(self, ctx: RoundContext, req: RoundRequest):
         """None, or ``f(proposal, a, b)`` called once values [a, b) are proposed and before they
-        go on the wire (ACCO's weight prediction replaces an estimate's; nothing here)."""
+        go on the wire (ACCO's weight prediction replaces an estimate's; nothing here); read them
+        as ``proposal.part(a, b)``: the proposal is the whole spare or a piece-sized scratch
+        (step_copy), whose tensors start at the piece."""
         return None
 
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
@@ -120,9 +123,9 @@ class ShardedStrategy(Strategy):
         grad_norm = math.sqrt(totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else float("nan")
         # [how to apply] the shard optimizer proposes piece by piece, each piece on the wire as
         # soon as it is done; nothing is written before the whole gather is in and finite
-        proposal = None if totals.nonfinite or totals.count == 0 else ctx.shard_state.spare()
-        started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, proposal,
-                                            self.after_piece(ctx, req))
+        stepping = not totals.nonfinite and totals.count > 0
+        proposal, started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, stepping,
+                                                      self.after_piece(ctx, req))
         phases["optimizer"] = (t, proposed)
 
         overflowed = finish_and_install(ctx, req, proposal)
@@ -191,36 +194,76 @@ def reduce_flagged(grads, comm, full: torch.Tensor, count: int,
     return reduced.sum, nonfinite_flag(full) if bad is None else bad
 
 
+@dataclass
+class Proposal:
+    """A round's optimizer step while its gather is in flight: what it was stepped from (the
+    reduced sum, the global count, the clipping coefficient, the lr, the pieces), and where it
+    went. With the whole spare (step_copy 'whole') a commit installs ``spare`` as it is; with
+    piece-sized scratch ('piece') only the pieces' new masters went out, and a commit steps the
+    state again in place from the same inputs, piece by piece (:meth:`restep`: the same bits)."""
+
+    grad_sum: torch.Tensor
+    count: int
+    coef: float
+    lr: float
+    pieces: list[tuple[int, int]]
+    spare: ShardState | None  # None: proposed into piece-sized scratch
+    scratch: torch.Tensor | None = None  # the fused kernel's square roots
+    fused: bool = False
+
+    def restep(self, ctx: RoundContext) -> None:
+        """Install by recomputing: each piece stepped in place into the shard state, reading
+        ``step + 1`` as the proposal did; the count goes up once, after the last piece."""
+        state = ctx.shard_state
+        for a, b in self.pieces:
+            propose_slice(state, self.grad_sum, self.count, self.coef, self.lr, ctx.spec, state, a, b,
+                          self.scratch, self.fused)
+        state.step += 1
+
+
+def step_copy(ctx: RoundContext) -> str:
+    """'whole' or 'piece': the run's step_copy for where its shard state lives."""
+    return resolve_step_copy(ctx.cfg.step_copy, ctx.shard_state.master.device.type == "cuda", ctx.spec.name)
+
+
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
-                    proposal: ShardState | None, after_piece=None) -> tuple[float, float]:
-    """Step each piece of the shard into ``proposal`` (the mean gradient, clipped to
-    max_grad_norm: propose_step's bits, piece by piece) and start its all-gather at once; with no
-    proposal (a skipped or empty step) the unchanged master goes out. Returns when the first
-    gather started and when the last piece was stepped."""
+                    stepping: bool, after_piece=None) -> tuple[Proposal | None, float, float]:
+    """Step each piece of the shard (the mean gradient, clipped to max_grad_norm: propose_step's
+    bits, piece by piece) into the whole spare or into piece-sized scratch (``step_copy``) and
+    start its all-gather at once; when not ``stepping`` (a skipped or empty step) the unchanged
+    master goes out. Returns the proposal (None when not stepping), when the first gather started
+    and when the last piece was stepped."""
     state, comm = ctx.shard_state, ctx.comm
     pieces = ctx.params.begin(comm, ctx.gather_buf)
-    coef = clip_coefficient(grad_norm, ctx.cfg.max_grad_norm) if proposal is not None else 1.0
-    scratch, fused = None, False
-    if proposal is not None:
-        fused = can_fuse(ctx.spec, step_sum, state, proposal)
-        if fused:
-            scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
+    proposal, width = None, max(b - a for a, b in pieces)
+    if stepping:
+        spare = state.spare() if step_copy(ctx) == "whole" else None
+        first = spare if spare is not None else state.scratch(0, *pieces[0], width)
+        fused = can_fuse(ctx.spec, step_sum, state, first)
+        scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32,
+                              step_sum.device) if fused else None
+        proposal = Proposal(step_sum, count, clip_coefficient(grad_norm, ctx.cfg.max_grad_norm), lr, pieces, spare,
+                            scratch, fused)
     started = None
     for k, (a, b) in enumerate(pieces):
+        new = state
         if proposal is not None:
-            propose_slice(state, step_sum, count, coef, lr, ctx.spec, proposal, a, b, scratch, fused)
+            new = proposal.spare if proposal.spare is not None else state.scratch(k, a, b, width)
+            propose_slice(state, step_sum, count, proposal.coef, lr, ctx.spec, new, a, b, proposal.scratch,
+                          proposal.fused)
             if after_piece is not None:
-                after_piece(proposal, a, b)
+                after_piece(new, a, b)
         if started is None:
             started = time.perf_counter()
-        ctx.params.push(comm, k, proposal.master if proposal is not None else state.master)
-    return started, time.perf_counter()
+        ctx.params.push(comm, k, new.master, new.start)
+    return proposal, started, time.perf_counter()
 
 
-def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardState | None) -> list[int]:
+def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal | None) -> list[int]:
     """Finish the gather into ctx.gather_buf; a commit installs its proposal when all the new
-    shards are finite. Returns the ranks whose new parameters were not (then nothing is
-    installed and the unchanged master is gathered again, as a skipped step does)."""
+    shards are finite (the spare as it is, or the step recomputed in place). Returns the ranks
+    whose new parameters were not (then nothing is installed and the unchanged master is
+    gathered again, as a skipped step does)."""
     state = ctx.shard_state
     overflowed = ctx.params.finish(ctx.comm, ctx.gather_buf)
     if overflowed:
@@ -232,6 +275,8 @@ def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: ShardStat
                 "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
         ctx.params.gather(ctx.comm, state.master, ctx.gather_buf)
     elif proposal is not None and req.kind is RoundKind.COMMIT:
-        state.install(proposal, recycle=True)
+        if proposal.spare is not None:
+            state.install(proposal.spare, recycle=True)
+        else:
+            proposal.restep(ctx)
     return overflowed
-

@@ -18,6 +18,19 @@ from typing import Callable
 from ..core.dtypes import grad_buffers_fp32, gradient_travels_uncompressed
 
 ALIGN = 128  # EngineConfig.align
+STEP_COPIES = ("auto", "whole", "piece")  # EngineConfig step_copy
+
+
+def resolve_step_copy(step_copy: str, cuda: bool, optimizer: str = "adamw") -> str:
+    """'whole' or 'piece': where a sharded round proposes its step (EngineConfig step_copy). auto:
+    a piece-sized scratch on a GPU, where memory is what runs out (the commit round's second
+    optimizer pass is cheap there), the whole spare elsewhere (a CPU's comm side paces the round)
+    and for Muon, whose whole matrices reach past a piece."""
+    if step_copy not in STEP_COPIES:
+        raise ValueError(f"step_copy {step_copy!r}: choose one of {STEP_COPIES}")
+    if step_copy == "auto":
+        return "piece" if cuda and optimizer != "muon" else "whole"
+    return step_copy
 
 
 def padded(numel: int, world: int, unit: int) -> int:
@@ -33,7 +46,8 @@ def small_bytes(world: int, values: int) -> int:
 
 @dataclass(frozen=True)
 class WireSettings:
-    """The settings a round's bytes depend on, besides the strategy and its codecs."""
+    """The settings a round's bytes depend on, besides the strategy and its codecs (and
+    step_copy, which only its memory and work depend on)."""
 
     compute_bytes: int = 4  # 4 = fp32, 2 = bf16
     group_size: int = 128
@@ -43,6 +57,7 @@ class WireSettings:
     topk_bits: int = 2
     pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
     grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/core/dtypes.py): auto | float32 | compute
+    step_copy: str = "auto"  # EngineConfig step_copy (``resolve_step_copy``): auto | whole | piece
 
     def grad_bytes(self, mode) -> int:
         """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,
@@ -81,6 +96,9 @@ class StrategySpec:
     # ``slice_`` the values this rank exchanges (numel / G when two-level), ``shard`` the values its
     # optimizer owns
     work: Callable[..., dict] = lambda numel, slice_, shard, mode: {}
+    # rounds per step that install a proposed step (the sharded round's commits): under step_copy
+    # 'piece' each steps the shard's optimizer once more, in place (engine/strategies/sharded.py)
+    installs: int = 0
     adamw_class: bool = False  # its update is AdamW's (or AdamW's one step late): auto may take it
     codec_variants: bool = False  # takes gradient codecs and low-bit parameter deltas
     local_steps: bool = False  # a round every ``inner_steps`` optimizer steps taken alone

@@ -17,11 +17,11 @@ CORRECTIONS = {"dc": {"delay_compensation": LAMBDA}, "wp": {"weight_prediction":
                "both": {"delay_compensation": LAMBDA, "weight_prediction": S}}
 
 
-def run_engine(rank: int, world: int, settings: dict, chunks: int = 1, opt: str = "adamw"):
+def run_engine(rank: int, world: int, settings: dict, chunks: int = 1, opt: str = "adamw", step_copy: str = "auto"):
     model = tiny_model(seed=0)
     cfg = EngineConfig(strategy="acco", optimizer=opt, lr=1e-2, micro_batches=K, accumulation="fixed",
                        max_steps=STEPS, align=8, weight_decay=0.1 if opt == "adamw" else 0.0, momentum=0.9,
-                       comm_chunks=chunks, **settings)
+                       comm_chunks=chunks, step_copy=step_copy, **settings)
     engine = Engine(model, cfg, mse_loss)
     it = iter(worker_stream(rank, 3 * K * (STEPS + 1)))
     out = []
@@ -71,9 +71,10 @@ def test_compensate_and_predict_math():
 
 
 @pytest.mark.parametrize("name", sorted(CORRECTIONS))
-def test_world1_matches_reference(name):
+@pytest.mark.parametrize("step_copy", ["whole", "piece"])  # the corrections read the spare, or a piece's scratch
+def test_world1_matches_reference(name, step_copy):
     settings = CORRECTIONS[name]
-    got = run_engine(0, 1, settings, chunks=3)
+    got = run_engine(0, 1, settings, chunks=3, step_copy=step_copy)
     want = reference(1, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0))
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     assert max(errs) < 1e-6, errs

@@ -63,6 +63,8 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"muon_nesterov": 1}, "muon_nesterov must be True or False (a bool, not 0/1 or a string), got 1"),
     ({"muon_ns_steps": 0}, "muon_ns_steps must be a positive integer, got 0"),
     ({"muon_adjust_lr": "none"}, "unknown muon_adjust_lr 'none': choose one of ('match_rms_adamw', 'original')"),
+    ({"step_copy": "half"}, "unknown step_copy 'half': choose one of ('auto', 'whole', 'piece')"),
+    ({"step_copy": "piece", "optimizer": "muon", "strategy": "zero1"}, "step_copy='piece' with optimizer='muon'"),
     ({"optimizer": "AdamW"}, "unknown optimizer 'AdamW'"),
     ({"optimizer": None}, "unknown optimizer None"),
     ({"lr": 0}, "lr must be a finite number > 0, got 0"),

@@ -13,12 +13,14 @@ STEPS, K = 20, 2
 STRATEGIES = ("zero1", "dpu", "acco")
 
 
-def run_engine(rank: int, world: int, strategy: str, opt: str = "adamw", steps: int = STEPS, chunks: int = 1):
+def run_engine(rank: int, world: int, strategy: str, opt: str = "adamw", steps: int = STEPS, chunks: int = 1,
+               step_copy: str = "auto"):
     """Train with fixed accumulation; return the compute params after every committed step."""
     model = tiny_model(seed=0)
     cfg = EngineConfig(strategy=strategy, optimizer=opt, lr=1e-2, micro_batches=K,
                        accumulation="fixed", max_steps=steps, align=8,
-                       weight_decay=0.1 if opt == "adamw" else 0.0, momentum=0.9, comm_chunks=chunks)
+                       weight_decay=0.1 if opt == "adamw" else 0.0, momentum=0.9, comm_chunks=chunks,
+                       step_copy=step_copy)
     engine = Engine(model, cfg, mse_loss)
     it = iter(worker_stream(rank, 3 * K * (steps + 1)))
     snapshots = []
@@ -36,15 +38,16 @@ def reference(world: int, strategy: str, opt: str = "adamw", steps: int = STEPS)
     return Reference(tiny_model(seed=0), streams, K, opt=opt, lr=1e-2, **kwargs).run(strategy, steps)
 
 
-def _all_strategies(rank: int, world: int):
+def _all_strategies(rank: int, world: int, step_copy: str = "auto"):
     # chunked collectives (several async pieces per collective) must not change a single bit
-    return {s: run_engine(rank, world, s, chunks=1 if s == "zero1" else 3) for s in STRATEGIES}
+    return {s: run_engine(rank, world, s, chunks=1 if s == "zero1" else 3, step_copy=step_copy) for s in STRATEGIES}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
-def test_world1_matches_reference(strategy, opt):
-    got = run_engine(0, 1, strategy, opt)
+@pytest.mark.parametrize("step_copy", ["whole", "piece"])  # the step proposed into a spare, or into scratch
+def test_world1_matches_reference(strategy, opt, step_copy):
+    got = run_engine(0, 1, strategy, opt, chunks=3 if step_copy == "piece" else 1, step_copy=step_copy)
     want = reference(1, strategy, opt)
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     assert max(errs) < 1e-6, errs
@@ -54,7 +57,16 @@ def test_world1_matches_reference(strategy, opt):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_process_groups_match_reference_and_stay_identical(world):
-    results = spawn(_all_strategies, world)
+    check_process_groups(spawn(_all_strategies, world), world)
+
+
+def test_piece_scratch_in_a_process_group_matches_reference():
+    """step_copy='piece': each piece proposed into a scratch slot and sent, the step recomputed in
+    place into the state at install (zero1 in one piece, dpu and acco in 3)."""
+    check_process_groups(spawn(_all_strategies, 2, "piece"), 2)
+
+
+def check_process_groups(results, world: int) -> None:
     for strategy in STRATEGIES:
         want = reference(world, strategy)
         for step in range(STEPS):

@@ -3,15 +3,16 @@ model and the engine, by category, and the largest set of temporaries a round ma
 per-parameter formula of engine/planner/memory.py (docs/design/zero1.md), in real gloo
 groups: flat at N = 2 and 4, two-level at 2 nodes x 2 and x 4 ranks, for zero1, acco and
 acco+loco4+int4params, fp32 and bf16 compute (grad_dtype auto: bf16 gradient buffers where the
-gradient travels uncompressed, fp32 under a codec), and zero1 with fp32 gradient buffers (grad_dtype
-float32), on the torch path (the one a GPU runs)."""
+gradient travels uncompressed, fp32 under a codec), zero1 with fp32 gradient buffers (grad_dtype
+float32), and acco+loco4+int4params with the step proposed into piece-sized scratch (step_copy
+'piece', what auto takes on a GPU), on the torch path (the one a GPU runs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.parallel.comm import MAX_PIECE_VALUES
+from engine.parallel.comm import MAX_PIECE_VALUES, PIECE_ALIGN, chunk_bounds
 from engine.parallel.local_group import spawn
 from engine.planner import memory
 from engine.runtime.memory_accounting import CATEGORIES, RoundTemporaries
@@ -23,6 +24,9 @@ MODES = {
     "zero1+fp32-grads": dict(strategy="zero1", grad_dtype="float32"),  # auto: the compute dtype uncompressed
     # 5 pieces: the compressed rows of piece 0 and of two slots the later pieces take in turn
     "acco+loco4 in 5 pieces": dict(strategy="acco", codec="loco4", comm_chunks=5),
+    # the step proposed into piece-sized scratch (three master slots, one of moments), not a spare
+    "acco+loco4+int4params, step_copy=piece in 5 pieces": dict(strategy="acco", codec="loco4", param_codec="int4",
+                                                             step_copy="piece", comm_chunks=5),
 }
 DTYPES = {"float32": 4, "bfloat16": 2}
 EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
@@ -72,7 +76,7 @@ def _check(results, world: int, per_node: int, two_level: bool):
         want = memory.held_bytes(padded, world=world, per_node=per_node, two_level=two_level,
                                  kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
                                  param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
-                                 chunks=chunks, backend="gloo",
+                                 chunks=chunks, backend="gloo", step_copy=kw.get("step_copy", "whole"),
                                  grad_bytes=4 if kw.get("grad_dtype") == "float32" or "codec" in kw else DTYPES[dtype])
         got_total, want_total = sum(held.values()) + temps, sum(want.values())
         rows.append(f"{dtype} {name}: held {got_total / padded:.2f} B/param, formula {want_total / padded:.2f}; "
@@ -121,7 +125,10 @@ def test_round_temporaries_count_live_storages_until_freed():
 
 
 def test_the_planner_pieces_are_the_engines():
-    assert memory.MAX_PIECE_VALUES == MAX_PIECE_VALUES
+    assert memory.MAX_PIECE_VALUES == MAX_PIECE_VALUES and memory.PIECE_ALIGN == PIECE_ALIGN
+    for size, count, unit in [(8352, 5, 128), (100, 3, 32), (40, 1, 32), (1000, 8, 32), (96, 5, 32)]:
+        bounds = chunk_bounds(size, count, unit)
+        assert memory._longest_piece(size, count, unit) == (len(bounds), max(b - a for a, b in bounds))
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

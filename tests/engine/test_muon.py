@@ -136,7 +136,18 @@ def test_muon_with_loco4_and_int4_deltas_resumes_bit_exact(tmp_path):
     ({"strategy": "diloco"}, "optimizer='muon' with strategy 'diloco'"),
     ({"strategy": "onebit_adam"}, "optimizer='muon' with strategy 'onebit_adam'"),
     ({"model_sharding": "node"}, "optimizer='muon' with model_sharding='node'"),
+    # its matrices reach past a piece: the step goes into the whole spare
+    ({"step_copy": "piece"}, "step_copy='piece' with optimizer='muon'"),
 ])
 def test_what_muon_does_not_run_with_is_refused(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         EngineConfig(optimizer="muon", **kw)
+
+
+def test_muon_keeps_the_whole_spare_where_auto_takes_piece_scratch():
+    from engine.strategies.spec import resolve_step_copy
+
+    assert resolve_step_copy("auto", cuda=True) == "piece"
+    assert resolve_step_copy("auto", cuda=True, optimizer="muon") == "whole"
+    assert resolve_step_copy("auto", cuda=False) == "whole"
+    assert resolve_step_copy("whole", cuda=True) == "whole"

@@ -1,6 +1,8 @@
 """Pipelined rounds (comm_chunks pieces) and the fused CPU kernels (acco_loco/kernels.py): whole
-trajectories in a gloo group of 2, bit for bit the same with 1 or 3 pieces, with the kernels or
-the torch path (parameters, master, moments and error state), and the same bytes on the wire."""
+trajectories in a gloo group of 2, bit for bit the same with 1, 3 or 5 pieces, with the kernels or
+the torch path, with the step proposed into the whole spare or into piece-sized scratch and
+recomputed in place at install (step_copy; parameters, master, moments and error state), and the
+same bytes on the wire."""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ MODES = {
     "zero1+sgd+ef8": dict(strategy="zero1", codec="ef8", optimizer="sgd"),
     "dpu+int4+bf16": dict(strategy="dpu", codec="int4", param_codec="bfloat16"),
     "acco+loco1": dict(strategy="acco", codec="loco1", param_codec="int4"),
+    # the delay corrections read and change the proposal piece by piece (Acco.after_piece)
+    "acco+dc+wp": dict(strategy="acco", param_codec="float32", delay_compensation=0.5, weight_prediction=1.0),
 }
+STEP_COPIES = ("whole", "piece")
 
 
 def test_chunk_bounds_cover_the_shard_at_aligned_starts():
@@ -47,30 +52,50 @@ def _trajectories(rank: int, world: int) -> dict:
     out = {}
     for use_kernels in (True, False):
         kernels.use(use_kernels)
-        for chunks in (1, 3, 5):  # 5: the later pieces take two kept row slots in turn
+        # 5: the later pieces take two kept row slots in turn, and three scratch slots (step_copy)
+        for chunks in (1, 3, 5):
             for name, kw in MODES.items():
-                model = _wide_model()
-                cfg = EngineConfig(lr=3e-3, micro_batches=2, accumulation="fixed", max_steps=5, max_grad_norm=0.05,
-                                   weight_decay=0.01, comm_chunks=chunks, **kw)
-                engine = Engine(model, cfg, mse_loss)
-                history = engine.fit(worker_stream(rank, 400))
-                out[(use_kernels, chunks, name)] = (_fingerprint(engine, model), [h["wire_bytes"] for h in history],
-                                                    kernels.available())
-                engine.close()
+                for step_copy in STEP_COPIES:
+                    model = _wide_model()
+                    cfg = EngineConfig(lr=3e-3, micro_batches=2, accumulation="fixed", max_steps=5,
+                                       max_grad_norm=0.05, weight_decay=0.01, comm_chunks=chunks,
+                                       step_copy=step_copy, **kw)
+                    engine = Engine(model, cfg, mse_loss)
+                    history = engine.fit(worker_stream(rank, 400))
+                    out[(use_kernels, chunks, name, step_copy)] = (
+                        _fingerprint(engine, model), [h["wire_bytes"] for h in history], kernels.available(),
+                        engine.shard_state.step, _scratch_slots(engine))
+                    engine.close()
     kernels.use(True)
     return out
 
 
-def test_pieces_and_kernels_change_no_bit():
+def _scratch_slots(engine: Engine) -> tuple[int, int] | None:
+    """(master slots, values in each) of the piece-sized scratch, None when there is none."""
+    kept = engine.shard_state._scratch
+    return None if kept is None else (len(kept[0]), kept[1].numel())
+
+
+def test_pieces_kernels_and_step_copy_change_no_bit():
     results = spawn(_trajectories, 2, timeout=600)
     for rank_out in results:
         for name in MODES:
-            ref, ref_bytes, _ = rank_out[(False, 1, name)]
-            for key in [(False, 3, name), (False, 5, name), (True, 1, name), (True, 3, name), (True, 5, name)]:
-                got, got_bytes, _ = rank_out[key]
+            ref, ref_bytes, _, ref_step, _ = rank_out[(False, 1, name, "whole")]
+            for key in rank_out:
+                if key[2] != name:
+                    continue
+                got, got_bytes, _, step, slots = rank_out[key]
                 assert len(got) == len(ref), key
                 for a, b in zip(got, ref):
                     assert torch.equal(a, b), key
                 assert got_bytes == ref_bytes, key  # the same bytes on the wire, whatever the pieces
+                assert step == ref_step == 5, key
+                if key[3] == "piece":  # a slot per piece, three at most, each as long as the longest piece
+                    chunks = key[1]
+                    assert slots is not None and slots[0] == min(chunks, 3), (key, slots)
+                else:
+                    assert slots is None, key
     for name in MODES:  # and the replicas are identical
-        assert torch.equal(results[0][(True, 3, name)][0][0], results[1][(True, 3, name)][0][0]), name
+        for step_copy in STEP_COPIES:
+            key = (True, 3, name, step_copy)
+            assert torch.equal(results[0][key][0][0], results[1][key][0][0]), key

@@ -21,19 +21,21 @@ def _cfg(strategy, steps, **kw):
                         max_steps=steps, align=8, weight_decay=0.01, **kw)
 
 
-def straight_then_resumed(rank: int, world: int, strategy: str, root: str):
+def straight_then_resumed(rank: int, world: int, strategy: str, root: str, first_kw: dict | None = None,
+                          **kw):
+    """``kw``: settings of the straight run and the resumed one; ``first_kw``: the first half's (default: kw)."""
     stream = worker_stream(rank, 200)
-    straight = Engine(tiny_model(0), _cfg(strategy, 20), mse_loss)
+    straight = Engine(tiny_model(0), _cfg(strategy, 20, **kw), mse_loss)
     h_straight = straight.fit(stream)
     straight.close()
 
-    first = Engine(tiny_model(0), _cfg(strategy, 10), mse_loss)
+    first = Engine(tiny_model(0), _cfg(strategy, 10, **(kw if first_kw is None else first_kw)), mse_loss)
     h_first = first.fit(stream)
     first.save(f"{root}/ckpt")
     first.close()
 
     model = tiny_model(seed=123)  # different init: everything must come from the checkpoint
-    resumed = Engine.load(f"{root}/ckpt", model, _cfg(strategy, 20), mse_loss)
+    resumed = Engine.load(f"{root}/ckpt", model, _cfg(strategy, 20, **kw), mse_loss)
     assert resumed.step == 10
     h_second = resumed.fit(itertools.islice(stream, resumed.consumed, None))
     resumed.close()
@@ -46,6 +48,17 @@ def straight_then_resumed(rank: int, world: int, strategy: str, root: str):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_world1_is_bit_exact(strategy, tmp_path):
     out = straight_then_resumed(0, 1, strategy, str(tmp_path))
+    assert out["steps"] == list(range(11, 21))
+    assert torch.equal(out["straight"], out["resumed"])
+    assert out["losses_straight"] == out["losses_resumed"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_piece_scratch_resumes_bit_exact_from_a_whole_spare_checkpoint(strategy, tmp_path):
+    """step_copy is no part of the trajectory: a run with the piece-sized scratch (3 pieces), resumed
+    from the checkpoint of a run with the whole spare, equals it straight."""
+    out = straight_then_resumed(0, 1, strategy, str(tmp_path), first_kw={"step_copy": "whole", "comm_chunks": 3},
+                                step_copy="piece", comm_chunks=3)
     assert out["steps"] == list(range(11, 21))
     assert torch.equal(out["straight"], out["resumed"])
     assert out["losses_straight"] == out["losses_resumed"]

@@ -35,12 +35,13 @@ def wide_model(seed=0):
 
 
 # ---------------------------------------------------------------- sharded strategies, no codec
-def _strategies(rank: int, world: int):
+def _strategies(rank: int, world: int, step_copy: str = "auto"):
     out = {}
     for strategy in ("zero1", "dpu", "acco"):
         model = tiny_model(seed=0)
         cfg = EngineConfig(strategy=strategy, lr=1e-2, weight_decay=0.1, micro_batches=K, accumulation="fixed",
-                           max_steps=STEPS, align=8, topology="two_level", comm_chunks=2 if strategy == "acco" else 1)
+                           max_steps=STEPS, align=8, topology="two_level", comm_chunks=2 if strategy == "acco" else 1,
+                           step_copy=step_copy)
         engine = Engine(model, cfg, mse_loss)
         assert engine.topology == "two_level"
         it = iter(worker_stream(rank, 3 * K * (STEPS + 1)))
@@ -55,8 +56,16 @@ def _strategies(rank: int, world: int):
 
 @pytest.mark.parametrize("m,g", LAYOUTS)
 def test_sharded_strategies_match_the_float64_reference(m, g):
+    _check_reference(spawn(_strategies, m * g, env=_env(g)), m, g)
+
+
+def test_piece_scratch_under_two_level_matches_the_float64_reference():
+    """step_copy='piece' through the rail's gatherer: the scratch's pieces and the step recomputed at install."""
+    _check_reference(spawn(_strategies, 4, "piece", env=_env(2)), 2, 2)
+
+
+def _check_reference(results, m: int, g: int) -> None:
     world = m * g
-    results = spawn(_strategies, world, env=_env(g))
     for strategy in ("zero1", "dpu", "acco"):
         streams = [worker_stream(r, 3 * K * (STEPS + 1)) for r in range(world)]
         want = Reference(tiny_model(seed=0), streams, K, lr=1e-2, weight_decay=0.1).run(strategy, STEPS)
