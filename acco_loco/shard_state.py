@@ -24,6 +24,9 @@ class ShardState:
     # (start, rows, cols) of each matrix an optimizer steps whole (Muon), sorted by start
     matrices: tuple[tuple[int, int, int], ...] = ()
     start: int = 0
+    # host memory, page-locked: the spare and scratch are allocated pinned too (an offloaded
+    # state, engine/runtime/offload.py, copies from them asynchronously)
+    pinned: bool = False
     _spare: "ShardState | None" = field(default=None, repr=False, compare=False)
     # the piece-sized scratch: (up to SCRATCH_SLOTS master slots taken in turn, the moments' slot)
     _scratch: "tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None" = field(
@@ -43,8 +46,8 @@ class ShardState:
         allocated once and reused: after :meth:`install` with ``recycle`` they are the old state's."""
         sp = self._spare
         if sp is None or sp.master.shape != self.master.shape or (sp.exp_avg_sq is None) != (self.exp_avg_sq is None):
-            sp = self._spare = ShardState(torch.empty_like(self.master), torch.empty_like(self.exp_avg),
-                                          None if self.exp_avg_sq is None else torch.empty_like(self.exp_avg_sq))
+            sp = self._spare = ShardState(self._empty_like(self.master), self._empty_like(self.exp_avg),
+                                          None if self.exp_avg_sq is None else self._empty_like(self.exp_avg_sq))
         sp.step = self.step + 1
         return sp
 
@@ -60,17 +63,20 @@ class ShardState:
         if (kept is None or kept[1].numel() != width or kept[1].device != dev
                 or (kept[2] is None) != (self.exp_avg_sq is None)):
             def empty() -> torch.Tensor:
-                return torch.empty(width, dtype=torch.float32, device=dev)
+                return torch.empty(width, dtype=torch.float32, device=dev, pin_memory=self.pinned)
 
             kept = self._scratch = ([], empty(), None if self.exp_avg_sq is None else empty())
         masters, exp_avg, exp_avg_sq = kept
         while len(masters) <= k % SCRATCH_SLOTS:  # as many as the pieces, at most SCRATCH_SLOTS
-            masters.append(torch.empty_like(exp_avg))
+            masters.append(self._empty_like(exp_avg))
         n = b - a
         if n > width:
             raise ValueError(f"piece [{a}, {b}) is longer than the scratch's {width} values")
         return ShardState(masters[k % SCRATCH_SLOTS][:n], exp_avg[:n], None if exp_avg_sq is None else exp_avg_sq[:n],
                           self.step + 1, start=a)
+
+    def _empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, pin_memory=self.pinned)
 
     def install(self, proposal: "ShardState", recycle: bool = False) -> None:
         """Take a proposed step's tensors as this state (no copy). ``recycle``: the proposal came

@@ -185,6 +185,7 @@ class EngineConfig:
         self._check_unread_sections()
         self._check_matrix_optimizer()
         self.check_model_sharding()
+        self._check_optimizer_offload()
 
     def _check_matrix_optimizer(self) -> None:
         """optimizer='muon' steps whole matrices: a strategy whose owner steps whole shards, the
@@ -208,6 +209,20 @@ class EngineConfig:
         if not hasattr(torch.optim, "Muon"):
             raise ValueError(f"optimizer='muon' takes torch.optim.Muon's math, which torch {torch.__version__} "
                              "lacks: install torch >= 2.9")
+
+    def _check_optimizer_offload(self) -> None:
+        """optimizer_offload='cpu' needs the sharded optimizer's state (zero1, dpu, acco) and an
+        elementwise optimizer (engine/runtime/offload.py)."""
+        if self.optimizer_offload == "none":
+            return
+        why = (getattr(strategy_class(self.strategy), "offload_refused", "its state is not a sharded optimizer's "
+                       "shard") if self.strategy in STRATEGIES else None)
+        if why:
+            raise ValueError(f"optimizer_offload={self.optimizer_offload!r} with strategy {self.strategy!r}: {why}; "
+                             "use zero1, dpu or acco with it, or optimizer_offload='none'")
+        if self.optimizer == "muon":
+            raise ValueError("optimizer_offload='cpu' with optimizer='muon': stepping Muon's whole matrices on the "
+                             "CPU is not built; use optimizer='adamw' or 'sgd', or optimizer_offload='none'")
 
     def _check_accumulation(self) -> None:
         """The batch settings that only make sense together (the world-size check is Engine's)."""

@@ -45,6 +45,9 @@ class _GradCodecChoice(Choice):
 
 
 
+OPTIMIZER_OFFLOADS = ("none", "cpu")  # engine/runtime/offload.py OFFLOADS
+
+
 @dataclass
 class OptimizerConfig:
     """The shard optimizer (one flat fp32 shard per worker)."""
@@ -68,6 +71,12 @@ class OptimizerConfig:
                              "scratch slots, the step recomputed in place at install (the same bits; a commit "
                              "round runs the optimizer twice); auto = piece on CUDA, whole elsewhere and with "
                              "optimizer='muon' (its matrices reach past a piece)")
+    optimizer_offload: str = setting("none", "where the sharded optimizer's state lives and steps (zero1, dpu, "
+                                     "acco): none = on the compute device; cpu = the fp32 master and moments "
+                                     "of the rank's shard in host memory (pinned with CUDA), the step run on "
+                                     "the CPU, each piece's gradient copied to the host and its new values "
+                                     "back (engine/runtime/offload.py; step_copy auto is then whole, in host "
+                                     "memory)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "name": choice(tuple(OPTIMIZERS)),
@@ -83,6 +92,7 @@ class OptimizerConfig:
         "muon_adjust_lr": choice(MUON_ADJUST_LR),
         "max_grad_norm": optional(number(0, low_open=True), "no clipping"),
         "step_copy": choice(STEP_COPIES),
+        "optimizer_offload": choice(OPTIMIZER_OFFLOADS),
     }
 
 

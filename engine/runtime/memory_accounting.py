@@ -10,6 +10,8 @@ category, the first category that reaches a storage owning it:
     gradients       the flat gradient buffers
     gathered        the full parameters every replica holds after a round (``gather_buf``)
     optimizer       the owned shard's fp32 master and moments, and the spare a step is proposed into
+                    (with optimizer_offload='cpu': the device staging slots only; the state is in
+                    host memory, counted by ``host_held_bytes`` and never here)
     error_feedback  the compressed reducer's error state and its rollback copy
     strategy        what the strategy keeps between rounds (ACCO's kept estimate half)
     comm            the reducer's and gatherer's kept buffers, every Comm's ``_buffers``
@@ -77,18 +79,20 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 def held_bytes(model: torch.nn.Module, ctx, strategy=None, **extra) -> dict[str, int]:
     """Bytes of the unique tensor storages the model and the engine's parts hold, by category
     (CATEGORIES, then the names of ``extra``: further roots a layout adds, walked last).
-    ``ctx``: the engine's RoundContext; ``strategy``: the engine's strategy object."""
+    ``ctx``: the engine's RoundContext; ``strategy``: the engine's strategy object. Device bytes
+    only: what an offloaded optimizer keeps in host memory (``host_held_bytes``) is left out."""
+    offload = getattr(strategy, "offload", None)
     roots = [
         ("gradients", [ctx.flat.grads]),  # first: a parameter's .grad views a gradient buffer
         ("parameters", [model, ctx.flat]),  # (a node-sharded run's flat holds no copy of them)
         ("gathered", [ctx.gather_buf]),
-        ("optimizer", [ctx.shard_state]),
+        ("optimizer", [ctx.shard_state, offload.device_tensors() if offload is not None else None]),
         ("error_feedback", [getattr(ctx.grads, "feedback", None)]),
         ("strategy", [strategy]),
         ("comm", [ctx.grads, ctx.params, ctx.comm]),
     ] + [(name, [root]) for name, root in extra.items()]
     out = {name: 0 for name in CATEGORIES + tuple(extra)}
-    owned: set[int] = set()
+    owned = _host_storages(offload)  # claimed first: in no device category
     for name, objs in roots:
         visited: set[int] = set()  # each category walks the whole graph below its roots
         for obj in objs:
@@ -99,6 +103,23 @@ def held_bytes(model: torch.nn.Module, ctx, strategy=None, **extra) -> dict[str,
                 owned.add(ptr)
                 out[name] += nbytes
     return out
+
+
+def _host_storages(offload) -> set[int]:
+    return set() if offload is None else {_storage(t)[0] for t in offload.host_tensors()} - {0}
+
+
+def host_held_bytes(strategy) -> int:
+    """Bytes of the unique storages an offloaded optimizer (optimizer_offload='cpu',
+    engine/runtime/offload.py) keeps in host memory: its master, moments, spare or scratch, the
+    host copy of the reduced gradient and the fused kernel's scratch; 0 without offload."""
+    offload = getattr(strategy, "offload", None)
+    seen: dict[int, int] = {}
+    for t in offload.host_tensors() if offload is not None else ():
+        ptr, nbytes = _storage(t)
+        if ptr:
+            seen[ptr] = nbytes
+    return sum(seen.values())
 
 
 def fsdp_unsharded_bytes(model: torch.nn.Module) -> int:

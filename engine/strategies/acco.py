@@ -49,8 +49,9 @@ class Acco(ShardedStrategy):
 
     def setup(self, ctx: RoundContext) -> None:
         self.state = ctx.shard_state  # one object for the run (the context is frozen)
-        master = self.state.master
-        self.kept_buf = torch.empty_like(master)
+        self.kept_buf = torch.empty_like(self.state.master)  # on the device: the reducer writes it
+        super().setup(ctx)  # optimizer_offload='cpu': the state moves to host memory
+        master = self.state.master  # the corrections' shards live where the master does
         self.dc_lambda = float(ctx.cfg.delay_compensation)
         self.predict_steps = float(ctx.cfg.weight_prediction)
         if self.dc_lambda:
@@ -69,7 +70,7 @@ class Acco(ShardedStrategy):
             # the stale half was computed on the estimate sent last step and is applied at theta_t;
             # clipping and the reported norm saw it before this term (the small all-reduce came first)
             drift = ctx.shard_state.master - self.sent_estimate
-            delay.compensate_(step_sum, totals.round_count, drift, self.dc_lambda)
+            delay.compensate_(step_sum, totals.round_count, drift.to(step_sum.device), self.dc_lambda)
 
     def after_piece(self, ctx: RoundContext, req: RoundRequest):
         if req.kind is RoundKind.ESTIMATE and (self.predict_steps or self.dc_lambda):

@@ -81,6 +81,7 @@ class OnebitAdam(ShardedStrategy):
     # buffer, not yet on FSDP2's local shards
     node_sharding_refused = "its 1-bit stage keeps its state on slices of the whole parameter buffer"
     whole_matrices_refused = "its compressed stage is 1-bit Adam's own update, not the shard optimizer's"
+    offload_refused = "its compressed stage keeps whole-buffer state on the device and steps it itself"
     # the server error is each owner's; momentum, the frozen variance and mask every replica's alike
     recut_rules = {**ShardedStrategy.recut_rules, "onebit.server_error": Recut("shard"),
                    "onebit.momentum": Recut("shared"), "onebit.variance": Recut("shared"),

@@ -40,6 +40,7 @@ from acco_loco.schedule import lr_at
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..runtime.host import nonfinite_flag, small_vector, to_host
+from ..runtime.offload import HostOptimizer
 from .base import Strategy
 from .spec import MemorySpec, StrategySpec, resolve_step_copy, sharded_round_parts, sharded_work
 
@@ -66,6 +67,7 @@ class ShardedStrategy(Strategy):
     two_level = True  # its reducer and gatherer take the node's level first (engine/parallel/two_level.py)
     node_sharding_refused = None  # its round runs on a rail's local-shard buffer as on a flat one
     whole_matrices_refused = None  # an owner steps its whole shard (Muon: whole matrices, acco_loco/matrix_layout.py)
+    offload_refused = None  # its state is the shard optimizer's: it may live in host memory (optimizer_offload)
     kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
     quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
 
@@ -76,6 +78,14 @@ class ShardedStrategy(Strategy):
                             memory=MemorySpec("sharded", cls.kept_shards), round_parts=sharded_round_parts,
                             work=sharded_work, adamw_class=True, codec_variants=True,
                             quality_proxy=cls.quality_proxy)
+
+    offload: HostOptimizer | None = None  # optimizer_offload='cpu': the shard state in host memory
+
+    def setup(self, ctx: RoundContext) -> None:
+        """With optimizer_offload='cpu', move the shard state to host memory (a subclass that
+        allocates device buffers shaped like the master makes them before calling this)."""
+        if ctx.cfg.optimizer_offload == "cpu":
+            self.offload = HostOptimizer(ctx.shard_state, ctx.dims.device)
 
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         """A reduced half from an earlier round that this round's step adds (none here)."""
@@ -125,10 +135,10 @@ class ShardedStrategy(Strategy):
         # soon as it is done; nothing is written before the whole gather is in and finite
         stepping = not totals.nonfinite and totals.count > 0
         proposal, started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, stepping,
-                                                      self.after_piece(ctx, req))
+                                                      self.after_piece(ctx, req), self.offload)
         phases["optimizer"] = (t, proposed)
 
-        overflowed = finish_and_install(ctx, req, proposal)
+        overflowed = finish_and_install(ctx, req, proposal, self.offload)
         if overflowed:
             totals.nonfinite, grad_norm = True, float("nan")
             totals.bad_ranks = sorted(set(totals.bad_ranks) | set(overflowed))
@@ -227,39 +237,54 @@ def step_copy(ctx: RoundContext) -> str:
 
 
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
-                    stepping: bool, after_piece=None) -> tuple[Proposal | None, float, float]:
+                    stepping: bool, after_piece=None, offload: HostOptimizer | None = None
+                    ) -> tuple[Proposal | None, float, float]:
     """Step each piece of the shard (the mean gradient, clipped to max_grad_norm: propose_step's
     bits, piece by piece) into the whole spare or into piece-sized scratch (``step_copy``) and
     start its all-gather at once; when not ``stepping`` (a skipped or empty step) the unchanged
     master goes out. Returns the proposal (None when not stepping), when the first gather started
-    and when the last piece was stepped."""
+    and when the last piece was stepped. ``offload``: the state is in host memory
+    (engine/runtime/offload.py): each piece's gradient is stepped from its host copy and its new
+    master reaches the gatherer through a device staging slot."""
     state, comm = ctx.shard_state, ctx.comm
     pieces = ctx.params.begin(comm, ctx.gather_buf)
     proposal, width = None, max(b - a for a, b in pieces)
     if stepping:
+        grad = step_sum if offload is None else offload.fetch_gradient(step_sum, pieces)
         spare = state.spare() if step_copy(ctx) == "whole" else None
         first = spare if spare is not None else state.scratch(0, *pieces[0], width)
-        fused = can_fuse(ctx.spec, step_sum, state, first)
-        scratch = comm.buffer(("optimizer.scratch",), (step_sum.numel(),), torch.float32,
-                              step_sum.device) if fused else None
-        proposal = Proposal(step_sum, count, clip_coefficient(grad_norm, ctx.cfg.max_grad_norm), lr, pieces, spare,
+        fused = can_fuse(ctx.spec, grad, state, first)
+        scratch = None
+        if fused:
+            scratch = offload.host_kernel_scratch() if offload is not None else comm.buffer(
+                ("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
+        proposal = Proposal(grad, count, clip_coefficient(grad_norm, ctx.cfg.max_grad_norm), lr, pieces, spare,
                             scratch, fused)
     started = None
     for k, (a, b) in enumerate(pieces):
         new = state
         if proposal is not None:
+            if offload is not None:
+                offload.wait(k)  # this piece's gradient is on the host
+                if proposal.spare is None:
+                    offload.before_writing(k)  # the scratch slot's last copy to the device is done
             new = proposal.spare if proposal.spare is not None else state.scratch(k, a, b, width)
-            propose_slice(state, step_sum, count, proposal.coef, lr, ctx.spec, new, a, b, proposal.scratch,
+            propose_slice(state, proposal.grad_sum, count, proposal.coef, lr, ctx.spec, new, a, b, proposal.scratch,
                           proposal.fused)
             if after_piece is not None:
                 after_piece(new, a, b)
         if started is None:
             started = time.perf_counter()
-        ctx.params.push(comm, k, new.master, new.start)
+        if offload is None:
+            ctx.params.push(comm, k, new.master, new.start)
+        else:
+            sent = new.master[a - new.start:b - new.start]
+            ctx.params.push(comm, k, offload.staged(k, sent, width), a)
     return proposal, started, time.perf_counter()
 
 
-def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal | None) -> list[int]:
+def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal | None,
+                       offload: HostOptimizer | None = None) -> list[int]:
     """Finish the gather into ctx.gather_buf; a commit installs its proposal when all the new
     shards are finite (the spare as it is, or the step recomputed in place). Returns the ranks
     whose new parameters were not (then nothing is installed and the unchanged master is
@@ -273,7 +298,8 @@ def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal 
                 f"non-finite parameters after the update of round {req.index} (step "
                 f"{req.step_index + 1}) on the shard(s) of rank(s) {overflowed}: nothing was installed; "
                 "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
-        ctx.params.gather(ctx.comm, state.master, ctx.gather_buf)
+        master = state.master if offload is None else offload.device_master()
+        ctx.params.gather(ctx.comm, master, ctx.gather_buf)
     elif proposal is not None and req.kind is RoundKind.COMMIT:
         if proposal.spare is not None:
             state.install(proposal.spare, recycle=True)

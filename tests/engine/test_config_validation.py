@@ -65,6 +65,8 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"muon_adjust_lr": "none"}, "unknown muon_adjust_lr 'none': choose one of ('match_rms_adamw', 'original')"),
     ({"step_copy": "half"}, "unknown step_copy 'half': choose one of ('auto', 'whole', 'piece')"),
     ({"step_copy": "piece", "optimizer": "muon", "strategy": "zero1"}, "step_copy='piece' with optimizer='muon'"),
+    ({"optimizer_offload": "gpu"}, "unknown optimizer_offload 'gpu': choose one of ('none', 'cpu')"),
+    ({"optimizer_offload": "cpu", "strategy": "diloco"}, "optimizer_offload='cpu' with strategy 'diloco'"),
     ({"optimizer": "AdamW"}, "unknown optimizer 'AdamW'"),
     ({"optimizer": None}, "unknown optimizer None"),
     ({"lr": 0}, "lr must be a finite number > 0, got 0"),
