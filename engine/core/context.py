@@ -1,5 +1,6 @@
 """The round context at engine start, built from explicit parts (the model, the config, the
-ParallelDims, the strategy): every replica started from rank 0's fp32 values, the parameters
+ParallelDims, the strategy): every replica started from rank 0's fp32 values (or from a weights
+folder every rank reads itself: engine/core/loading.py), the parameters
 cast to the compute dtype, the trainable parameters flattened into one padded buffer (or, under
 model_sharding="node", FSDP2's local shards: engine/parallel/sharding.py), and the reducer and gatherer
 built around it."""
@@ -22,6 +23,7 @@ from ..runtime.cpu_memory import keep_freed_memory
 from ..strategies import shard_groups
 from .dtypes import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
 from .flat import FlatParams
+from .loading import WeightsLoad
 from .rounds import RoundContext
 
 log = logging.getLogger("acco_loco")
@@ -45,10 +47,11 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def start_process_group(named: list, cfg) -> tuple[torch.device, int, int]:
+def start_process_group(named: list, cfg, device: torch.device | None = None) -> tuple[torch.device, int, int]:
     """(the model's device, rank, world size): the device made current, and on CPU the freed-memory
-    setting applied before the process group and the comm thread start."""
-    device = named[0][1].device
+    setting applied before the process group and the comm thread start. ``device``: where a model
+    built on the meta device is loaded (engine/core/loading.py), in place of its parameters'."""
+    device = device if device is not None else named[0][1].device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif cfg.keep_cpu_memory:
@@ -93,13 +96,29 @@ def start_values(named: list, dims: ParallelDims) -> torch.Tensor:
     return whole32
 
 
+def loaded_values(named: list) -> torch.Tensor:
+    """The trainable values every rank read from the same weights folder itself, in fp32: no
+    broadcast (engine/core/loading.py)."""
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in named])
+
+
 def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, strategy,
-                  spec: OptimizerSpec) -> RoundContext:
+                  spec: OptimizerSpec, weights: WeightsLoad | None = None) -> RoundContext:
     """``named``: the trainable (name, parameter) pairs. The strategy says which of the fp32
-    values its optimizer owns (``Strategy.initial_values``: a shard, or the whole buffer)."""
-    whole32 = start_values(named, dims)
-    dtype = resolve_compute_dtype(cfg.compute_dtype, named[0][1].dtype)
+    values its optimizer owns (``Strategy.initial_values``: a shard, or the whole buffer).
+    ``weights``: every rank reads its start values from that folder instead of rank 0's being
+    broadcast: already loaded whole (model_sharding="none"), or, node-sharded, each rank's local
+    shards read once FSDP2 has cut the meta model."""
     node_sharded = dims.kind == "node_sharded"
+    if weights is None:
+        whole32 = start_values(named, dims)
+    elif node_sharded:
+        whole32 = None  # no rank holds the whole model: build_sharded_context reads the local shards
+    else:
+        if not weights.loaded:
+            raise RuntimeError("the weights folder must be read whole before the context is built (load_whole)")
+        whole32 = loaded_values(named)
+    dtype = resolve_compute_dtype(cfg.compute_dtype, named[0][1].dtype)
     grad_dtype = resolve_grad_dtype(cfg.grad_dtype, dtype, node_sharded=node_sharded,
                                     uncompressed=gradient_travels_uncompressed(cfg.codec, strategy.plan.local_steps > 0))
     if cfg.compute_dtype != "auto":
@@ -111,7 +130,7 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
     if node_sharded:  # FSDP2 inside the node, the exchange on local shards
         from ..parallel.sharding import build_sharded_context
 
-        return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype)
+        return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype, weights)
     comm = dims.comm("world")
     whole = hidden_matrices(model, named) if spec.name == "muon" else None  # kept in one shard each
     flat = FlatParams([p for _, p in named], [n for n, _ in named], dims.world,

@@ -114,11 +114,36 @@ def local_rows(full: torch.Tensor, g: int, local: int) -> torch.Tensor:
     return chunks[local] if local < len(chunks) else full[full.shape[0]:]
 
 
-def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Tensor, cfg, dims: ParallelDims,
-                          strategy, spec: OptimizerSpec, dtype: torch.dtype) -> RoundContext:
+def local_start_values(whole32: torch.Tensor, named: list, sharded: list, g: int, local: int) -> list:
+    """Each trainable parameter's local shard of rank 0's broadcast fp32 values, flattened."""
+    local32, at = [], 0
+    for (name, p), (_, before) in zip(sharded, named):
+        rows = local_rows(whole32[at:at + before.numel()].view(before.shape), g, local)
+        at += before.numel()
+        if tuple(rows.shape) != tuple(p.to_local().shape):
+            raise RuntimeError(f"{name}: FSDP2's local shard is {tuple(p.to_local().shape)}, the engine expected "
+                               f"{tuple(rows.shape)} (torch.chunk's cut of dim 0 over {g} ranks)")
+        local32.append(rows.reshape(-1))
+    return local32
+
+
+def local_values_from_file(model: torch.nn.Module, weights, sharded: list, g: int, local: int) -> list:
+    """The sharded meta model's local shards read from the weights folder, each rank its own rows
+    (engine/core/loading.py); the trainable ones' fp32 values in the model's order, flattened."""
+    from ..core.loading import load_local_shards
+
+    values = load_local_shards(model, weights, g, local)
+    return [values[name] for name, _ in sharded]
+
+
+def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Tensor | None, cfg,
+                          dims: ParallelDims, strategy, spec: OptimizerSpec, dtype: torch.dtype,
+                          weights=None) -> RoundContext:
     """The round context of a node-sharded run (engine/core/context.py ``build_context`` has started
-    every replica from rank 0's values and cast them): the model sharded with FSDP2 over the
-    compute thread's node group, the local buffer and the rail's reducer and gatherer around it."""
+    every replica from rank 0's values and cast them, or, with ``weights``, left the model on the
+    meta device: each rank then reads its local shards from the folder): the model sharded with
+    FSDP2 over the compute thread's node group, the local buffer and the rail's reducer and
+    gatherer around it."""
     layout, device = dims.layout, dims.device
     m, g = layout.nodes, layout.ranks_per_node
     blocks = shard_model(model, dims.fsdp_mesh()["local"])
@@ -129,14 +154,8 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
     if [n for n, _ in sharded] != [n for n, _ in named]:
         raise RuntimeError("FSDP2 changed the trainable parameters' names or order: "
                            f"{[n for n, _ in named]} became {[n for n, _ in sharded]}")
-    local32, at = [], 0
-    for (name, p), (_, before) in zip(sharded, named):
-        rows = local_rows(whole32[at:at + before.numel()].view(before.shape), g, layout.local)
-        at += before.numel()
-        if tuple(rows.shape) != tuple(p.to_local().shape):
-            raise RuntimeError(f"{name}: FSDP2's local shard is {tuple(p.to_local().shape)}, the engine expected "
-                               f"{tuple(rows.shape)} (torch.chunk's cut of dim 0 over {g} ranks)")
-        local32.append(rows.reshape(-1))
+    local32 = (local_values_from_file(model, weights, sharded, g, layout.local) if weights is not None
+               else local_start_values(whole32, named, sharded, g, layout.local))
     # without overlap the round's gradient buffer is free once reduced: the new parameters are
     # gathered into it (one buffer of the local shards' size for both); with overlap compute
     # accumulates into a second one meanwhile, and the gather has a buffer of its own

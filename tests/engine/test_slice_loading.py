@@ -1,0 +1,196 @@
+"""Loading a model that does not fit one rank (engine/core/loading.py, engine/checkpoint/slices.py):
+a transformers model built on the meta device, its values read by each rank from a save_pretrained
+folder (safetensors, sharded into several files), against the same model loaded eagerly by
+from_pretrained.
+
+Node-sharded (2 nodes x 2 ranks) each rank reads only its FSDP2 local shards' rows: the local
+shards equal the eager model's rows bit for bit, the bytes read are the rows' (about 1/G of the
+model), and zero1 and acco train the same losses bit for bit as the eagerly loaded run (the same
+values, the same arithmetic). Unsharded (world 1, world 2 flat) every rank reads the whole folder
+itself, no broadcast. Refused: a .bin folder, a folder whose tensors do not match the model (the
+first missing and unexpected name), a meta model without weights, auto with node sharding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.checkpoint.slices import SliceReader
+from engine.core.loading import causal_lm_on_meta
+from engine.parallel.local_group import spawn
+
+STEPS = 3
+SEQ, BATCH, VOCAB = 16, 2, 257
+
+
+def save_folder(path, kind: str = "llama"):
+    """A tiny transformers model saved by save_pretrained, cut into several safetensors files."""
+    from lm.models import tiny_gpt2, tiny_llama
+
+    model = tiny_llama(seed=3) if kind == "llama" else tiny_gpt2(n_layer=2, n_embd=64, n_head=4, seed=3)
+    model.save_pretrained(path, max_shard_size="40KB")
+    files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(files) >= 2, files
+    return path
+
+
+def eager_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def lm_stream(rank: int, n: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def file_bytes(folder) -> tuple[int, int]:
+    """(every tensor's bytes in the folder, the largest row of any tensor)."""
+    with SliceReader(folder) as reader:
+        total = row = 0
+        for name in reader.names():
+            t = reader._slice(name)
+            shape, size = t.get_shape(), torch.finfo(torch.float32).bits // 8  # tiny models save fp32
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * size
+            row = max(row, numel // shape[0] * size if shape else numel * size)
+    return total, row
+
+
+def config(strategy: str, sharding: str, **kw) -> EngineConfig:
+    return EngineConfig(strategy=strategy, lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=STEPS,
+                        model_sharding=sharding, **kw)
+
+
+def _train(engine: Engine, rank: int) -> list[float]:
+    engine.fit(iter(lm_stream(rank, 3 * (STEPS + 1))))
+    losses = [h["loss"] for h in engine.history]
+    engine.close()
+    return losses
+
+
+# ---------------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_meta_model_loads_whole_equal_to_the_eager_one(tmp_path, kind):
+    folder = save_folder(tmp_path / kind, kind)
+    eager = eager_model(folder)
+    engine = Engine.from_pretrained(folder, config("zero1", "none"))
+    model = engine.model
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    for (name, p), (_, q) in zip(model.state_dict().items(), eager.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    total, _ = file_bytes(folder)
+    assert engine.weights.bytes_read == total  # every tensor once (the tied head is not in the file)
+    losses = _train(engine, 0)
+    assert losses == _train(Engine(eager, config("zero1", "none")), 0)
+
+
+def test_refusals_name_the_problem(tmp_path):
+    folder = save_folder(tmp_path / "llama")
+    with pytest.raises(ValueError, match="meta device.*weights="):
+        Engine(causal_lm_on_meta(folder), config("zero1", "none"))
+    # another configuration: the first missing and the first unexpected name
+    other = save_folder(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ValueError, match=r"does not match the model: missing 'model.embed_tokens.weight'.*"
+                                         r"unexpected 'transformer"):
+        Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=other)
+    # same names, another shape
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    wider = AutoConfig.from_pretrained(folder)
+    wider.intermediate_size = 192
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(wider)
+    with pytest.raises(ValueError, match=r"has shape \(160, 64\).*\(192, 64\)"):
+        Engine(model, config("zero1", "none"), weights=folder)
+    bin_folder = tmp_path / "bin"
+    bin_folder.mkdir()
+    torch.save({}, bin_folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin, not safetensors.*save_pretrained"):
+        Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=bin_folder)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="strategy='auto'.*name the strategy"):
+        Engine(causal_lm_on_meta(folder), config("auto", "node"), weights=folder)
+    with pytest.raises(ValueError, match="device= places a model built on the meta device"):
+        Engine(eager_model(folder), config("zero1", "none"), device="cpu")
+
+
+# ---------------------------------------------------------------------------------- process groups
+def _node_sharded(rank: int, world: int, folder: str, g: int):
+    from torch.distributed.tensor import DTensor
+
+    from engine.core.loading import row_range
+
+    local = rank % g
+    eager = dict(eager_model(folder).named_parameters())
+    out = {"mismatch": [], "read": None, "losses": {}}
+    for strategy in ("zero1", "acco"):
+        engine = Engine.from_pretrained(folder, config(strategy, "node", topology="two_level"))
+        for name, p in engine.model.named_parameters():
+            assert isinstance(p, DTensor), name
+            start, stop = row_range(p.shape[0], g, local)
+            if not torch.equal(p.to_local(), eager[name][start:stop]):
+                out["mismatch"].append(name)
+        buffers = dict(eager_model(folder).named_buffers())
+        for name, b in engine.model.named_buffers():
+            if not torch.equal(b, buffers[name]):
+                out["mismatch"].append(name)
+        out["read"] = engine.weights.bytes_read
+        out["expected_read"] = sum(
+            (lambda r: (r[1] - r[0]) * (p.numel() // p.shape[0]) * 4)(row_range(p.shape[0], g, local))
+            for p in eager.values())
+        sliced = _train(engine, rank)
+        out["losses"][strategy] = (sliced, _train(Engine(eager_model(folder), config(strategy, "node",
+                                                                                      topology="two_level")), rank))
+    return out
+
+
+@pytest.mark.slow
+def test_node_sharded_ranks_read_only_their_rows(tmp_path):
+    folder = save_folder(tmp_path / "llama")
+    g = 2
+    runs = spawn(_node_sharded, 4, str(folder), g, env={"LOCAL_WORLD_SIZE": str(g)})
+    total, row = file_bytes(folder)
+    n_tensors = len(SliceReader(folder).names())
+    for rank, run in enumerate(runs):
+        assert run["mismatch"] == [], (rank, run["mismatch"])
+        assert run["read"] == run["expected_read"], rank
+        assert run["read"] <= total / g + n_tensors * row, (rank, run["read"], total)  # ceil's extra row each
+        for strategy, (sliced, eager) in run["losses"].items():
+            assert len(sliced) == STEPS and sliced == eager, (rank, strategy, sliced, eager)
+    assert runs[0]["losses"]["zero1"][0] == runs[2]["losses"]["zero1"][0]  # every rank reports the step's loss
+
+
+def _flat(rank: int, world: int, folder: str):
+    eager = eager_model(folder)
+    out = {"losses": {}}
+    for strategy in ("zero1", "acco"):
+        engine = Engine.from_pretrained(folder, config(strategy, "none", topology="flat"))
+        out["equal"] = all(torch.equal(p, q) for p, q in zip(engine.model.state_dict().values(),
+                                                               eager.state_dict().values(), strict=True))
+        out["read"] = engine.weights.bytes_read
+        out["losses"][strategy] = (_train(engine, rank),
+                                   _train(Engine(eager_model(folder), config(strategy, "none", topology="flat")), rank))
+    return out
+
+
+@pytest.mark.slow
+def test_flat_ranks_each_read_the_whole_folder(tmp_path):
+    folder = save_folder(tmp_path / "llama")
+    runs = spawn(_flat, 2, str(folder))
+    total, _ = file_bytes(folder)
+    for rank, run in enumerate(runs):
+        assert run["equal"] and run["read"] == total, rank
+        for strategy, (sliced, eager) in run["losses"].items():
+            assert len(sliced) == STEPS and sliced == eager, (rank, strategy, sliced, eager)
