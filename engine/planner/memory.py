@@ -30,6 +30,10 @@ optimizer, g = codec group, G = ranks per node:
                         8 to 16 per value of a piece   a round's temporaries; a piece is at most
                                        MAX_PIECE_VALUES values of all ranks, so on a large model
                                        the cast buffers and the temporaries are constants
+                      optimizer_offload='cpu': the 12/N of the state, its 12/N spare, the host copy
+                                       of the reduced gradient and the fused kernel's scratch (4/N each) are
+                                       host bytes (``host``, per GPU: 32/N with AdamW); the device keeps
+                                       min(c, 3) fp32 staging slots a piece long, and no optimizer temporaries
     sharded, model sharded over the node (model_sharding="node", FSDP2 on the node's G ranks):
                       ``node_sharded_bytes``: the flat formula over the M nodes of a rail on the
                       rank's local buffer (V = P/G values): e/G parameters (FSDP2's local shards),
@@ -74,6 +78,7 @@ class Memory:
     optimizer: float
     codec_state: float  # error feedback, local-step state, 1-bit Adam's whole buffers
     buffers: float = 0.0  # comm-side kept buffers, the two-level node's buffers, a round's temporaries
+    host: float = 0.0  # host memory, not in ``total``: an offloaded optimizer's state (optimizer_offload='cpu')
 
     @property
     def total(self) -> float:
@@ -92,7 +97,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
                kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
                compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
                optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4,
-               step_copy: str = "whole") -> dict[str, float]:
+               step_copy: str = "whole", offload: bool = False) -> dict[str, float]:
     """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
     it keeps between rounds) on an unsharded model, by the
     categories of engine/runtime/memory_accounting.py, plus ``temporaries``: the largest set a round
@@ -103,7 +108,11 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     ``step_copy``: where a step is proposed, resolved (``resolve_step_copy``): 'whole', a spare
     as large as the state; 'piece', min(c, 3) master slots and one slot of moments a piece long;
     ``grad_bytes``: the gradient buffers' dtype bytes (4: grad_dtype auto; the compute dtype's
-    with grad_dtype='compute'), which an uncompressed gradient also travels in."""
+    with grad_dtype='compute'), which an uncompressed gradient also travels in.
+    ``offload``: optimizer_offload='cpu' (engine/runtime/offload.py): the state, its spare or
+    scratch, the host copy of the reduced gradient and the fused kernel's scratch go to ``host``
+    (host bytes, in no device category); ``optimizer`` keeps the device staging slots,
+    min(c, 3) fp32 slots as long as the longest piece; the optimizer's temporaries are the host's."""
     p, e, n, g, ge = float(params), compute_bytes, world, group_size, grad_bytes
     nodes = world // per_node if two_level else world  # the ranks of the codec's exchange
     values = p / per_node if two_level else p  # V: what one rank's codec exchange carries
@@ -167,12 +176,16 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
             (4 * part / cn if ge != 4 or cn > 1 else 0.0)
         out["comm"] += node
     piece = shard / c  # one destination's (one rank's) values of a piece
-    temps = [OPTIMIZER_TEMP * piece]
+    temps = [0.0 if offload else OPTIMIZER_TEMP * piece]
     if grad_bits is not None:
         temps += [ENCODE_TEMP * piece, DECODE_TEMP * nodes * piece]
     if delta_bits is not None:
         temps.append(DELTA_TEMP * piece)
     out["temporaries"] = max(temps)
+    if offload:  # the state and its proposal on the host, a piece-long staging slot per piece in flight
+        cut, width = _longest_piece(shard, c, math.lcm(PIECE_ALIGN, g) if delta_bits is not None else PIECE_ALIGN)
+        out["host"] = out["optimizer"] + 8 * shard  # + the gradient's host copy and the kernel's scratch
+        out["optimizer"] = 4 * min(cut, 3) * width
     return out
 
 
@@ -190,7 +203,7 @@ def _longest_piece(size: float, count: int, unit: int) -> tuple[int, float]:
 def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: int = 0, codec: str = "none",
                        param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
                        backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0,
-                       step_copy: str = "whole") -> dict[str, float]:
+                       step_copy: str = "whole", offload: bool = False) -> dict[str, float]:
     """Bytes one rank of a model_sharding='node' run holds after a step (engine/parallel/sharding.py), by
     the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
@@ -202,7 +215,7 @@ def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: 
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
                      optimizer_state=optimizer_state, frozen=frozen, grad_bytes=compute_bytes,
-                     step_copy=step_copy)
+                     step_copy=step_copy, offload=offload)
     if not overlap:
         out["gradients"], out["gathered"] = compute_bytes * float(local), 0.0
     return out
@@ -221,18 +234,20 @@ def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, 
 def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e, n, g = ws.compute_bytes, layout.world, layout.ranks_per_node
     pt, frozen = shape.trainable, shape.params - shape.trainable
-    copy = resolve_step_copy(ws.step_copy, cuda=True)  # a GPU's: the planner's memory is per GPU
+    offload = mode.offload == "cpu"  # the state in host memory: step_copy auto is then whole (on the host)
+    copy = resolve_step_copy(ws.step_copy, cuda=not offload)  # a GPU's: the planner's memory is per GPU
     if mode.sharding == "node":
         held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,
                                   codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e,
-                                  group_size=ws.group_size, frozen=frozen / g, step_copy=copy)
+                                  group_size=ws.group_size, frozen=frozen / g, step_copy=copy, offload=offload)
         return Memory(held["parameters"] + held["gathered"] + fsdp_block_bytes(shape, e), held["gradients"],
-                      held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"])
+                      held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"],
+                      held.get("host", 0.0))
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
-                      frozen=frozen, grad_bytes=ws.grad_bytes(mode), step_copy=copy)
+                      frozen=frozen, grad_bytes=ws.grad_bytes(mode), step_copy=copy, offload=offload)
     return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
-                  held["error_feedback"], held["comm"] + held["temporaries"])
+                  held["error_feedback"], held["comm"] + held["temporaries"], held.get("host", 0.0))
 
 
 def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:

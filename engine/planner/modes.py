@@ -16,6 +16,7 @@ from engine.strategies.spec import StrategySpec
 DDP = "torch-ddp"
 CODEC_VARIANTS = (("none", "auto"), ("loco4", "auto"), ("loco4", "int8"), ("loco4", "int4"))
 SHARDINGS = ("none", "node")
+OFFLOADS = ("none", "cpu")  # EngineConfig optimizer_offload (engine/runtime/offload.py)
 
 
 def spec_of(strategy: str) -> StrategySpec:
@@ -36,12 +37,15 @@ class Mode:
     inner_steps: int = 15  # local-step strategies: optimizer steps between rounds (H)
     outer_overlap: bool = False  # local-step strategies: the round travels behind the next H steps
     sharding: str = "none"  # model_sharding: none | node (FSDP2 over the node's ranks; two-level only)
+    offload: str = "none"  # optimizer_offload: none | cpu (the shard optimizer's state and step on the host)
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.sharding!r}: choose one of {SHARDINGS}")
         if self.sharding == "node" and self.exchange != "two-level":
             raise ValueError("model sharding over the node runs the two-level exchange: set exchange='two-level'")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload {self.offload!r}: choose one of {OFFLOADS}")
 
     @property
     def is_ddp(self) -> bool:
@@ -80,6 +84,7 @@ class Mode:
             parts.append(f"{self.param_codec}params")
         name = "+".join(parts)
         tags = (["2-level"] if self.exchange == "two-level" else []) + (["node-sharded"] if self.sharding == "node" else [])
+        tags += ["optimizer on CPU"] if self.offload == "cpu" else []
         return name + (f" [{', '.join(tags)}]" if tags else "")
 
     def engine_settings(self) -> dict:
@@ -93,16 +98,21 @@ class Mode:
             out.update(topology="two_level")
         if self.sharding != "none":
             out.update(model_sharding=self.sharding)
+        if self.offload != "none":
+            out.update(optimizer_offload=self.offload)
         return out
 
 
-def candidates(two_level: bool = True, node_sharding: bool | None = None) -> list[Mode]:
+def candidates(two_level: bool = True, node_sharding: bool | None = None, offload: bool | None = None) -> list[Mode]:
     """Every mode the planner predicts: torch DDP fp32 and bf16; every registered strategy with a
     spec, with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas where its
     spec takes codecs; flat and, with ``two_level``, two-level where it has that exchange; and
-    model-sharded over the node where it runs so (``node_sharding``, default: with two-level)."""
+    model-sharded over the node where it runs so (``node_sharding``, default: with two-level); and
+    those model-sharded rows again with the optimizer's state on the CPU where the strategy takes
+    it (``offload``, default: with node sharding; the scale where the state is what does not fit)."""
     node_sharding = two_level if node_sharding is None else node_sharding
-    out, two, sharded = [Mode(DDP), Mode(DDP, ddp_dtype="bfloat16")], [], []
+    offload = node_sharding if offload is None else offload
+    out, two, sharded, offloaded = [Mode(DDP), Mode(DDP, ddp_dtype="bfloat16")], [], [], []
     for strategy in STRATEGIES:
         cls = strategy_class(strategy)  # its exchanges: ``two_level``, ``node_sharding_refused``
         spec = cls.spec()
@@ -114,7 +124,9 @@ def candidates(two_level: bool = True, node_sharding: bool | None = None) -> lis
             two += [replace(m, exchange="two-level") for m in variants]
             if node_sharding and cls.node_sharding_refused is None:
                 sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
-    return out + two + sharded
+                if offload and getattr(cls, "offload_refused", "no") is None:
+                    offloaded += [replace(m, exchange="two-level", sharding="node", offload="cpu") for m in variants]
+    return out + two + sharded + offloaded
 
 
 def auto_strategies() -> tuple[str, ...]:

@@ -19,6 +19,22 @@ R and the overlap are the strategy's round plan, the round's work its spec's (en
 plus, under step_copy 'piece' (auto on a GPU), the shard's optimizer once more per installing round.
 With the model sharded over the node, FSDP2's per-micro-batch collectives inside the node run
 behind compute (only what exceeds it counts) and the round has no intra-node part of its own.
+
+With the optimizer's state on the CPU (optimizer_offload='cpu', engine/runtime/offload.py) the
+round's shard step leaves the GPU: its device optimizer work is replaced by ``offload_round_s``,
+the reduced gradient's shard to the host (4 bytes a value), the host step, and the new fp32
+master back (4 bytes a value), pipelined over the round's c pieces: the longest of the three plus
+the other two's share of one piece. Step copy auto is then 'whole' (the spare is host memory),
+so nothing is stepped twice. The rates are assumptions, stated once (``HostLink``):
+- PCIe Gen5 x16 carries 32 GT/s x 16 lanes x 128/130 = 63 GB/s per direction; large pinned
+  copies reach about 50 GB/s. We assume two GPUs share one such link to the host (a PCIe switch's
+  uplink, as on 8-GPU HGX boards where GPUs and NICs pair up behind switches): 25 GB/s per GPU
+  per direction while all of a node's GPUs copy at once.
+- The host step is the fused CPU AdamW kernel (acco_loco/kernels.c) on the round's one comm
+  thread, one core per GPU: it reads gradient, master and moments and writes master and moments,
+  28 bytes a value. Measured on the project's 2-core CPU machine under load: 0.107 G values/s
+  (16.8 M values, ``propose_slice`` with the kernel; the torch path 0.034); a server core with
+  its share of a socket's memory bandwidth is assumed to reach 0.25 G values/s (7 GB/s).
 """
 
 from __future__ import annotations
@@ -31,6 +47,30 @@ from .hardware import Hardware
 from .modes import Mode
 from .shape import ModelShape
 from .wire import ALIGN, Layout, StepBytes, WireSettings, padded, step_bytes
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """What an offloaded optimizer's round costs besides the wire (the module's docstring says
+    where each figure comes from)."""
+
+    copy_Bps: float = 25e9  # host <-> GPU bytes/s per GPU per direction (PCIe Gen5 x16, two GPUs a link)
+    step_values_per_s: float = 0.25e9  # the fused CPU AdamW on one core per GPU
+
+
+HOST_LINK = HostLink()
+MAX_PIECE_VALUES = 1 << 24  # engine/parallel/comm.py's: a piece of all ranks' shards together
+
+
+def offload_round_s(shard: float, exchange_ranks: int, link: HostLink = HOST_LINK, steps: float = 1.0) -> float:
+    """Seconds one round of an offloaded optimizer adds (per GPU): the shard's gradient to the
+    host, ``steps`` host steps of the shard (1; 2 when a commit recomputes under step_copy
+    'piece'), the new master back, pipelined over the round's pieces (each at most
+    MAX_PIECE_VALUES values of the ``exchange_ranks`` ranks' shards together)."""
+    pieces = max(1, -(-int(shard * exchange_ranks) // MAX_PIECE_VALUES))
+    parts = [4 * shard / link.copy_Bps, steps * shard / link.step_values_per_s, 4 * shard / link.copy_Bps]
+    longest = max(parts)
+    return longest + (sum(parts) - longest) / pieces
 
 
 @dataclass(frozen=True)
@@ -96,7 +136,13 @@ def step_time(mode: Mode, shape: ModelShape, layout: Layout, hw: Hardware, batch
     shard = padded(slice_, world, ALIGN) / world
     rounds = b.rounds
     work = hw.work_s(mode.spec.work(numel, slice_, shard, mode))
-    if mode.spec.installs and resolve_step_copy(ws.step_copy, cuda=not hw.shares_core) == "piece":
+    offload = mode.offload == "cpu"
+    recompute = bool(mode.spec.installs) and resolve_step_copy(
+        ws.step_copy, cuda=not hw.shares_core and not offload) == "piece"
+    if offload:  # the shard's step leaves the GPU: host copies and the host step instead
+        work -= hw.shard_opt_s_per_param * shard
+        work += offload_round_s(shard, world, steps=1 + (mode.spec.installs / rounds if recompute else 0))
+    elif recompute:
         # the step recomputed in place at install: the shard's optimizer once more per installing
         # round (where the round's constant folds the optimizer in, the compute side's rate)
         work += (hw.shard_opt_s_per_param or hw.optimizer_s_per_param) * shard * mode.spec.installs / rounds

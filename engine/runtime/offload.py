@@ -20,6 +20,8 @@ the unchanged master is gathered again.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from acco_loco.shard_state import SCRATCH_SLOTS, ShardState
@@ -30,6 +32,16 @@ OFFLOADS = ("none", "cpu")  # EngineConfig optimizer_offload
 def pin_host() -> bool:
     """Whether host tensors are allocated pinned (page-locked, for asynchronous copies): with CUDA."""
     return torch.cuda.is_available()
+
+
+def ask_for_cpu_kernels() -> None:
+    """On a CUDA node the fused CPU kernels are not built by default (acco_loco/kernels.py): the
+    offloaded step is theirs to run, so build them here, unless ACCO_LOCO_KERNELS turns them off
+    (then torch's ops step the host tensors: the same values, more passes over memory)."""
+    from acco_loco import kernels
+
+    if os.environ.get("ACCO_LOCO_KERNELS", "").strip().lower() not in ("0", "off", "false", "no"):
+        kernels.use(True)
 
 
 def host_empty(n: int, pinned: bool) -> torch.Tensor:
@@ -51,6 +63,8 @@ class HostOptimizer:
         self.device = torch.device(device)
         self.pinned = pin_host()
         self.async_copies = self.device.type == "cuda"
+        if self.async_copies:
+            ask_for_cpu_kernels()
         sq = state.exp_avg_sq
         state.rebind(host_copy(state.master, self.pinned), host_copy(state.exp_avg, self.pinned),
                      None if sq is None else host_copy(sq, self.pinned), state.step)

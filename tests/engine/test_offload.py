@@ -174,3 +174,90 @@ def test_offload_refusals_say_what_to_use(kw, match):
         EngineConfig(optimizer_offload="cpu", **kw)
     with pytest.raises(ValueError, match="optimizer_offload"):
         EngineConfig(optimizer_offload="gpu")
+
+
+def _offload_memory(rank: int, world: int) -> dict:
+    from acco_loco import kernels
+    from engine.runtime.memory_accounting import held_bytes, host_held_bytes, track_round_temporaries
+    from tests.engine.test_memory_accounting_sharded import Blocks, _loss, _stream
+
+    kernels.use(False)  # the torch path for the codecs: what runs on a GPU (the host step then too)
+    out = {}
+    for name, kw in (("zero1+loco4+int4params", dict(strategy="zero1")), ("acco+loco4+int4params", dict(strategy="acco"))):
+        cfg = EngineConfig(lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=3, compute_dtype="bfloat16",
+                           model_sharding="node", codec="loco4", param_codec="int4", optimizer_offload="cpu", **kw)
+        engine = Engine(Blocks(), cfg, _loss)
+        peaks = track_round_temporaries(engine.strategy)
+        engine.fit(_stream(rank, 50))
+        engine.close()
+        out[name] = dict(held=held_bytes(engine.model, engine.ctx, engine.strategy), temps=max(peaks[2:]),
+                         host=host_held_bytes(engine.strategy), padded=engine.flat.padded, chunks=engine.comm.chunks,
+                         shard=engine.shard_state.master.numel(), fused=engine.strategy.offload.kernel_scratch is not None)
+    return out
+
+
+def test_offloaded_rows_hold_what_the_planner_says_2x2():
+    """The planner's node-sharded formula with offload (engine/planner/memory.py) against the
+    runtime's accounting at 2 nodes x 2 ranks: every device category within 2%, the device total
+    (with the round's temporaries) within 10%, the host bytes within 2% (the fused kernel's host
+    scratch counted only where the kernel ran)."""
+    from engine.planner import memory
+    from engine.runtime.memory_accounting import CATEGORIES
+    from tests.engine.test_memory_accounting_sharded import WIDTH
+
+    results = spawn(_offload_memory, 4, timeout=600, env={"LOCAL_WORLD_SIZE": "2"})
+    rows = []
+    for name, got in results[0].items():
+        held, padded = got["held"], got["padded"]
+        acco = name.startswith("acco")
+        want = memory.node_sharded_bytes(padded, nodes=2, overlap=acco, kept_shards=int(acco), codec="loco4",
+                                         param_codec="int4", compute_bytes=2, chunks=got["chunks"], backend="gloo",
+                                         frozen=WIDTH * 8 / 2, offload=True)
+        want_host = want.pop("host") - (0 if got["fused"] else 4 * got["shard"])
+        got_total, want_total = sum(held.values()) + got["temps"], sum(want.values())
+        rows.append(f"{name} offloaded at 2x2: device {got_total / padded:.2f} B per local value, formula "
+                    f"{want_total / padded:.2f}; host {got['host'] / padded:.2f}/{want_host / padded:.2f}; "
+                    + ", ".join(f"{k} {held[k] / padded:.2f}/{want[k] / padded:.2f}" for k in CATEGORIES))
+        for k in CATEGORIES:
+            assert held[k] == pytest.approx(want[k], rel=0.02, abs=1024), (k, rows[-1])
+        assert got_total == pytest.approx(want_total, rel=0.10), rows[-1]
+        assert got["host"] == pytest.approx(want_host, rel=0.02), rows[-1]
+    print("\n".join(rows))
+
+
+def test_the_planner_lists_offloaded_rows_with_host_bytes_and_host_time():
+    """At 70B on 8 x 8 H100s (issue 41's layout), bf16: the offloaded node-sharded rows exist and
+    run as the engine spells them; their device state is the sharded row's less the optimizer
+    state (12/N and the piece scratch), the host holds 32/N per GPU; the round's added time is the
+    host step at the stated rate, the copies hidden behind it in pieces."""
+    from dataclasses import replace
+
+    from engine.planner.hardware import gpu
+    from engine.planner.memory import memory_per_gpu
+    from engine.planner.modes import Mode, candidates
+    from engine.planner.shape import PRESETS
+    from engine.planner.timeline import HOST_LINK, Batch, offload_round_s, step_time
+    from engine.planner.wire import Layout, WireSettings
+
+    names = {m.name for m in candidates()}
+    for row in ("zero1+loco4+int4params", "acco+loco4+int4params"):
+        assert f"{row} [2-level, node-sharded, optimizer on CPU]" in names
+    assert not any("optimizer on CPU" in n for n in names if n.startswith(("diloco", "sparseloco", "onebit", "torch")))
+    shape, layout, ws = PRESETS["70b"], Layout(8, 8), WireSettings(compute_bytes=2)
+    sharded = Mode("zero1", "loco4", "int4", exchange="two-level", sharding="node")
+    offloaded = replace(sharded, offload="cpu")
+    settings = offloaded.engine_settings()
+    assert settings["optimizer_offload"] == "cpu"
+    EngineConfig(**settings)  # the engine takes the row as the planner spells it
+    on_gpu, off = memory_per_gpu(sharded, shape, layout, ws), memory_per_gpu(offloaded, shape, layout, ws)
+    shard = shape.trainable / 64
+    assert on_gpu.host == 0 and off.host == pytest.approx(32 * shard, rel=0.01)
+    assert on_gpu.total - off.total == pytest.approx(12 * shard, rel=0.02)  # the state left (the scratch ~ a staging)
+    hw, batch = gpu(10), Batch(1024, 1)
+    added = step_time(offloaded, shape, layout, hw, batch, ws).comm_work_s - step_time(
+        sharded, shape, layout, hw, batch, ws).comm_work_s
+    host_step = shard / HOST_LINK.step_values_per_s
+    # (less the GPU's own step of the shard, twice under step_copy piece: a few hundredths of a second)
+    assert 0.97 * host_step < added < 1.05 * host_step + 8 * shard / HOST_LINK.copy_Bps
+    # one piece: nothing overlaps, the copies and the step add up
+    assert offload_round_s(1e6, 1) == pytest.approx(8e6 / HOST_LINK.copy_Bps + 1e6 / HOST_LINK.step_values_per_s)
