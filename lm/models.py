@@ -251,6 +251,22 @@ def load_causal_lm(
     return model, tokenizer
 
 
+def causal_lm_on_meta(folder: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of a local save_pretrained folder, the model built on the meta device
+    from its config.json (no values: ``Engine(model, cfg, weights=folder)`` has each rank read its
+    own, docs/nodes.md "Loading a model that does not fit one rank"); the tokenizer as
+    :func:`load_causal_lm` finishes it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **{_dtype_kwarg(): dtype})
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.eval()
+    _finish_tokenizer(tokenizer, model)
+    return model, tokenizer
+
+
 # --------------------------------------------------------------------------------------------
 # Tiny model
 # --------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from engine import Engine, EngineConfig, GlobalBatches  # noqa: E402
 from engine.checkpoint.load import resolve as resolve_checkpoint  # noqa: E402
 from engine.checkpoint.peers import LATEST  # noqa: E402
 from engine.config import Setting, describe_settings  # noqa: E402
+from engine.core.loading import default_device  # noqa: E402
 from engine.parallel.comm import prepare_backend  # noqa: E402
 from lm.data import (  # noqa: E402
     ByteTokenizer,
@@ -65,6 +66,7 @@ from lm.data import (  # noqa: E402
 from lm.models import (  # noqa: E402
     SMOLLM2_PIP,
     bf16_supported_on_cpu,
+    causal_lm_on_meta,
     freeze_all_but_top,
     load_causal_lm,
     save_pretrained_plain,
@@ -354,7 +356,23 @@ def check_report_to(cfg: FinetuneConfig) -> None:
         os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed unless asked
 
 
+def sliced_folder(cfg: FinetuneConfig) -> Path | None:
+    """The save_pretrained folder each rank reads only its own slices of (engine/core/loading.py):
+    --model a local folder with config.json under --model-sharding node, on a fresh start (a
+    --resume loads the checkpoint's whole model); None otherwise."""
+    if cfg.model_sharding != "node" or cfg.resume or cfg.model in (TINY_MODEL, "default"):
+        return None
+    folder = Path(cfg.model).expanduser()
+    return folder if (folder / "config.json").is_file() else None
+
+
 def load_model(cfg: FinetuneConfig, accelerator, cache_dir: Path):
+    folder = sliced_folder(cfg)
+    if folder is not None:  # built on the meta device: the engine reads each rank's slices
+        try:
+            return causal_lm_on_meta(folder)
+        except (OSError, ValueError) as exc:
+            raise RecipeError(f"--model {cfg.model!r}: {exc}") from exc
     if cfg.model == TINY_MODEL:
         tok = ByteTokenizer()
         model = tiny_gpt2(vocab_size=len(tok), n_layer=4, n_embd=128, n_head=4,
@@ -424,6 +442,8 @@ def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
     from engine.runtime.memory_accounting import held_bytes
 
     mine = {"held_bytes": held_bytes(engine.model, engine.ctx, engine.strategy),
+            # --model-sharding node from a folder: the bytes this rank read of it (its slices)
+            "weights_bytes_read": engine.weights.bytes_read if engine.weights is not None else None,
             "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             if Path("/proc/self/statm").is_file() else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
@@ -507,7 +527,8 @@ def prepare_model_and_data(cfg: FinetuneConfig, accelerator, compute_dtype: str)
     n_blocks = _n_blocks(model)
     if cfg.train_layers > n_blocks:
         raise RecipeError(f"--train-layers {cfg.train_layers}: the model has {n_blocks} blocks")
-    model.to(accelerator.device)
+    if not any(p.is_meta for p in model.parameters()):  # a meta model is placed by the engine as it loads
+        model.to(accelerator.device)
     n_train = freeze_all_but_top(model, cfg.train_layers)
     accelerator.print(
         f"{world} worker(s) on {accelerator.device}, compute {compute_dtype}; trainable "
@@ -524,7 +545,16 @@ def start_engine(cfg: FinetuneConfig, model, ecfg: EngineConfig, out: Path, main
     if not cfg.resume:
         if main and metrics_file.exists():
             metrics_file.unlink()  # a fresh run in a dir without checkpoints
-        return Engine(model, ecfg, hf_lm_loss), 0.0, 0
+        folder = sliced_folder(cfg)
+        if folder is None:
+            return Engine(model, ecfg, hf_lm_loss), 0.0, 0
+        try:
+            engine = Engine(model, ecfg, hf_lm_loss, weights=folder, device=default_device())
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError(f"--model {cfg.model!r}: {exc}") from exc
+        say(f"--model-sharding node: each rank read its own slices of {folder}; rank 0 read "
+            f"{engine.weights.bytes_read / 1e6:.1f} MB")
+        return engine, 0.0, 0
     try:
         engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)
     except (FileNotFoundError, ValueError) as exc:
@@ -733,6 +763,10 @@ def run(cfg: FinetuneConfig) -> None:
     prepare_output_dir(out, rank)
     if cfg.train_layers < 1:
         raise RecipeError(f"--train-layers must be at least 1, got {cfg.train_layers}")
+    if sliced_folder(cfg) is not None and cfg.strategy == "auto":
+        raise RecipeError(f"--model-sharding node with --model {cfg.model}: each rank reads only its slices of the "
+                          "model, and --strategy auto would time the whole model on one rank: name --strategy "
+                          "(zero1, dpu or acco)")
 
     model, tokenizer, stream, held_tokens = prepare_model_and_data(cfg, accelerator, compute_dtype)
     # every rank: without a shared filesystem each node's OUT needs its own copy to resume from

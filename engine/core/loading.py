@@ -35,14 +35,19 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def causal_lm_on_meta(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def causal_lm_on_meta(folder: str | os.PathLike) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_config`` of the folder's config.json, built on the meta device
-    in ``dtype`` (no values: ``Engine(..., weights=folder)`` reads them)."""
+    in float32 (no values: ``Engine(..., weights=folder)`` reads them; ``compute_dtype`` casts
+    them after the fp32 master is taken)."""
+    import transformers
+    from packaging.version import Version
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
+    # from_config otherwise takes config.json's dtype; the keyword is torch_dtype before 4.56
+    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, **{dtype_kw: torch.float32})
 
 
 def default_device() -> torch.device:
