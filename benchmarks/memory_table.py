@@ -7,7 +7,8 @@ for the users' layouts: the table of docs/memory.md.
 Bytes per GPU after a step, by what holds them (the categories the runtime's own accounting
 measures: engine/runtime/memory_accounting.py), for Llama-3.1-70B on 8 nodes x 8 GPUs of 80 GB
 and Llama-3.1-8B on 2 nodes x 8, bf16, B = 1024 x 4096 tokens, micro-batch 1, and whether state +
-activations fit 79.6 GiB (with activation checkpointing where the plan needs it). Formulas, not
+activations fit 79.6 GiB (with activation checkpointing where the plan needs it); ``host``: the
+host memory per GPU of a row whose optimizer state is on the CPU (optimizer_offload='cpu'). Formulas, not
 measurements: where they are held against runs is docs/planning.md's. ``--step-copy``: the
 engine's step_copy (default auto: on a GPU, piece-sized scratch instead of the spare)."""
 
@@ -25,7 +26,8 @@ from engine.strategies.spec import STEP_COPIES
 
 GIB = 2**30
 CASES = (("70b", Layout(8, 8)), ("8b", Layout(2, 8)))
-COLUMNS = ("parameters", "gradients", "optimizer", "codec state", "comm buffers", "state", "activations", "fits")
+COLUMNS = ("parameters", "gradients", "optimizer", "codec state", "comm buffers", "state", "activations", "fits",
+           "host")
 
 
 def table(name: str, layout: Layout, step_copy: str = "auto") -> str:
@@ -37,7 +39,8 @@ def table(name: str, layout: Layout, step_copy: str = "auto") -> str:
         m = r.memory
         cells = [m.params, m.grads, m.optimizer, m.codec_state, m.buffers, m.total, r.activations]
         fits = ("yes, checkpointed" if r.checkpointing else "yes") if r.fits else "no"
-        lines.append(f"| {r.mode.name} | " + " | ".join(f"{v / GIB:.3g}" for v in cells) + f" | {fits} |")
+        host = f"{m.host / GIB:.3g}" if m.host else "-"  # an offloaded optimizer's host memory (optimizer on CPU)
+        lines.append(f"| {r.mode.name} | " + " | ".join(f"{v / GIB:.3g}" for v in cells) + f" | {fits} | {host} |")
     return "\n".join(lines)
 
 
