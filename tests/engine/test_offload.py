@@ -25,6 +25,9 @@ MODES = {
     "acco+loco4+int4": dict(strategy="acco", codec="loco4", param_codec="int4", align=8),
     "zero1+loco4+int4": dict(strategy="zero1", codec="loco4", param_codec="int4", align=8),
     "acco piece": dict(strategy="acco", step_copy="piece", comm_chunks=3, max_grad_norm=0.5),
+    # ACCO's delay corrections: their shards live with the master, on the host
+    "acco dc": dict(strategy="acco", delay_compensation=0.5, comm_chunks=3),
+    "acco wp": dict(strategy="acco", weight_prediction=1.0, step_copy="piece", comm_chunks=3),
 }
 
 
