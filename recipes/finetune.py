@@ -444,6 +444,8 @@ def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
     mine = {"held_bytes": held_bytes(engine.model, engine.ctx, engine.strategy),
             # --model-sharding node from a folder: the bytes this rank read of it (its slices)
             "weights_bytes_read": engine.weights.bytes_read if engine.weights is not None else None,
+            "weights_held_bytes": engine.weights.held_bytes if engine.weights is not None else None,
+            "weights_largest_read": engine.weights.largest_read if engine.weights is not None else None,
             "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             if Path("/proc/self/statm").is_file() else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
@@ -553,7 +555,8 @@ def start_engine(cfg: FinetuneConfig, model, ecfg: EngineConfig, out: Path, main
         except (FileNotFoundError, ValueError) as exc:
             raise RecipeError(f"--model {cfg.model!r}: {exc}") from exc
         say(f"--model-sharding node: each rank read its own slices of {folder}; rank 0 read "
-            f"{engine.weights.bytes_read / 1e6:.1f} MB")
+            f"{engine.weights.bytes_read / 1e6:.1f} MB and allocated {engine.weights.held_bytes / 1e6:.1f} MB "
+            "of parameters")
         return engine, 0.0, 0
     try:
         engine = Engine.load(str(ckpt_root), model, ecfg, hf_lm_loss)

@@ -66,6 +66,7 @@ class SliceReader:
         self.folder = Path(folder).expanduser()
         self.files = tensor_files(self.folder)
         self.bytes_read = 0
+        self.largest_read = 0  # the most bytes one read handed out at once
         self._stack = ExitStack()
         self._open = {file: self._stack.enter_context(safe_open(str(file), framework="pt"))
                       for file in sorted(set(self.files.values()))}
@@ -93,6 +94,7 @@ class SliceReader:
         piece = self._slice(name)
         out = piece[:] if not piece.get_shape() else piece[start:stop]
         self.bytes_read += out.numel() * out.element_size()
+        self.largest_read = max(self.largest_read, out.numel() * out.element_size())
         return out
 
     def whole(self, name: str) -> torch.Tensor:

@@ -129,6 +129,8 @@ class WeightsLoad:
     match: CheckpointMatch
     dtypes: dict[str, torch.dtype]  # each parameter's dtype as built, before a compute_dtype cast
     bytes_read: int = 0
+    largest_read: int = 0  # the largest tensor or row range read at once
+    held_bytes: int = 0  # the parameters' storage this rank allocated for the values (measured)
     loaded: bool = False  # the values are in the model (read whole, or the local shards)
 
 
@@ -201,6 +203,19 @@ def recompute_buffers(model: torch.nn.Module, names: list[str], folder: Path) ->
                              "with the checkpoint (persistent=True)")
 
 
+def parameter_storage_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the distinct storages behind this rank's parameters (an FSDP2 parameter's: its
+    local shard's, padding included)."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {}
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     """The names of each parameter that has several (a tied LM head and its embedding)."""
     aliases: dict[int, list[str]] = {}
@@ -225,11 +240,12 @@ def load_whole(model: torch.nn.Module, plan: WeightsLoad) -> None:
     kept, tied = _kept_buffers(model, plan), _tied_names(model)
     model.to_empty(device=plan.device)
     _retie(model, tied)
+    plan.held_bytes = parameter_storage_bytes(model)
     with SliceReader(plan.folder) as reader, torch.no_grad():
         for name, found in plan.match.params.items():
             model.get_parameter(name).copy_(reader.whole(found))
         _fill_buffers(model, plan, reader, kept)
-        plan.bytes_read = reader.bytes_read
+        plan.bytes_read, plan.largest_read = reader.bytes_read, reader.largest_read
     plan.loaded = True
 
 
@@ -252,6 +268,7 @@ def load_local_shards(model: torch.nn.Module, plan: WeightsLoad, g: int, local: 
     model.to_empty(device=plan.device)
     if _tied_names(model) != tied:  # FSDP2 moves its sharded parameters in place: ties hold
         raise RuntimeError(f"moving the sharded model off the meta device untied {tied}")
+    plan.held_bytes = parameter_storage_bytes(model)
     out = {}
     with SliceReader(plan.folder) as reader, torch.no_grad():
         for name, p in model.named_parameters():
@@ -271,6 +288,6 @@ def load_local_shards(model: torch.nn.Module, plan: WeightsLoad, g: int, local: 
             if p.requires_grad:
                 out[name] = rows.to(torch.float32).reshape(-1)
         _fill_buffers(model, plan, reader, kept)
-        plan.bytes_read = reader.bytes_read
+        plan.bytes_read, plan.largest_read = reader.bytes_read, reader.largest_read
     plan.loaded = True
     return out

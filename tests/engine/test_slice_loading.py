@@ -146,7 +146,8 @@ def _node_sharded(rank: int, world: int, folder: str, g: int):
         for name, b in engine.model.named_buffers():
             if not torch.equal(b, buffers[name]):
                 out["mismatch"].append(name)
-        out["read"] = engine.weights.bytes_read
+        out["read"], out["held"] = engine.weights.bytes_read, engine.weights.held_bytes
+        out["largest_read"] = engine.weights.largest_read
         out["expected_read"] = sum(
             (lambda r: (r[1] - r[0]) * (p.numel() // p.shape[0]) * 4)(row_range(p.shape[0], g, local))
             for p in eager.values())
@@ -162,11 +163,17 @@ def test_node_sharded_ranks_read_only_their_rows(tmp_path):
     g = 2
     runs = spawn(_node_sharded, 4, str(folder), g, env={"LOCAL_WORLD_SIZE": str(g)})
     total, row = file_bytes(folder)
-    n_tensors = len(SliceReader(folder).names())
+    with SliceReader(folder) as reader:
+        n_tensors = len(reader.names())
+        largest = max(reader.whole(name).nbytes for name in reader.names())
     for rank, run in enumerate(runs):
         assert run["mismatch"] == [], (rank, run["mismatch"])
         assert run["read"] == run["expected_read"], rank
         assert run["read"] <= total / g + n_tensors * row, (rank, run["read"], total)  # ceil's extra row each
+        # the parameters' storage it allocated (FSDP2's local shards, padded to ceil(rows / G)) and
+        # the most it read at once: no rank held the whole model while loading
+        assert run["held"] <= total / g + n_tensors * row, (rank, run["held"], total)
+        assert run["largest_read"] <= largest / g + row, (rank, run["largest_read"], largest)
         for strategy, (sliced, eager) in run["losses"].items():
             assert len(sliced) == STEPS and sliced == eager, (rank, strategy, sliced, eager)
     assert runs[0]["losses"]["zero1"][0] == runs[2]["losses"]["zero1"][0]  # every rank reports the step's loss
@@ -179,7 +186,7 @@ def _flat(rank: int, world: int, folder: str):
         engine = Engine.from_pretrained(folder, config(strategy, "none", topology="flat"))
         out["equal"] = all(torch.equal(p, q) for p, q in zip(engine.model.state_dict().values(),
                                                                eager.state_dict().values(), strict=True))
-        out["read"] = engine.weights.bytes_read
+        out["read"], out["held"] = engine.weights.bytes_read, engine.weights.held_bytes
         out["losses"][strategy] = (_train(engine, rank),
                                    _train(Engine(eager_model(folder), config(strategy, "none", topology="flat")), rank))
     return out
@@ -191,6 +198,69 @@ def test_flat_ranks_each_read_the_whole_folder(tmp_path):
     runs = spawn(_flat, 2, str(folder))
     total, _ = file_bytes(folder)
     for rank, run in enumerate(runs):
-        assert run["equal"] and run["read"] == total, rank
+        assert run["equal"] and run["read"] == run["held"] == total, rank  # whole, each tensor once
         for strategy, (sliced, eager) in run["losses"].items():
             assert len(sliced) == STEPS and sliced == eager, (rank, strategy, sliced, eager)
+
+
+# ---------------------------------------------------------------------------------- the recipe
+def byte_tokenizer_folder(folder) -> None:
+    """A transformers tokenizer of the 256 bytes and an end token (257 ids: the tiny models' vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+
+
+def _recipe(args: list[str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    from tests.recipes.test_recipe_smoke import CPU_2PROC, RECIPE, REPO, _free_port
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
+                          "--main_process_port", str(_free_port()), str(RECIPE), *args],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_the_recipe_reads_each_ranks_slices_and_trains_as_the_eager_load(tmp_path):
+    """recipes/finetune.py --model-sharding node --model FOLDER at 1 node x 2 ranks: each rank read
+    half the folder, and the train losses are those of the same run loaded whole without sharding
+    (within float32 summation order: FSDP2 sums the node's gradients per micro-batch)."""
+    from tests.texts import text_folder
+
+    folder = save_folder(tmp_path / "model")
+    byte_tokenizer_folder(folder)
+    data = text_folder(tmp_path / "text")
+    common = ["--model", str(folder), "--dataset", str(data), "--seq-len", "16", "--micro-batch-size", "2",
+              "--train-layers", "1", "--eval-batches", "2", "--max-steps", "3", "--checkpoint-every", "0",
+              "--strategy", "acco", "--codec", "none", "--param-codec", "float32", "--compute-dtype", "float32",
+              "--timeout-s", "60"]
+    log = _recipe(common + ["--model-sharding", "node", "--output-dir", str(tmp_path / "sliced")])
+    assert "each rank read its own slices" in log
+    _recipe(common + ["--output-dir", str(tmp_path / "whole")])
+    total, row = file_bytes(folder)
+    with SliceReader(folder) as reader:
+        n_tensors = len(reader.names())
+    memory = json.loads((tmp_path / "sliced" / "memory.json").read_text())["ranks"]
+    for rank in memory:
+        assert rank["weights_bytes_read"] <= total / 2 + n_tensors * row, rank
+        assert rank["weights_held_bytes"] <= total / 2 + n_tensors * row, rank
+    assert json.loads((tmp_path / "whole" / "memory.json").read_text())["ranks"][0]["weights_bytes_read"] is None
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return [r["loss"] if r["kind"] == "train" else r["eval_loss"] for r in rows]
+
+    assert len(losses("sliced")) == 3 + 2
+    assert losses("sliced") == pytest.approx(losses("whole"), rel=1e-6)
