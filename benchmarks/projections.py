@@ -1,13 +1,16 @@
 """The projections of docs/planning.md ("Projections"): 1B, 8B and 70B dense models on nodes
-of 8 H100s, 2, 8 and 64 nodes, 1, 10 and 100 Gbit/s per node link, and the sanity checks
-against published figures.
+of 8 H100s, 2, 8 and 64 nodes, 1, 10 and 100 Gbit/s per node link, the recommendation for each
+goal (engine/planner/decide.py, the rule strategy="auto" uses) with the evidence its loss figure
+stands on, the evidence itself, and the sanity checks against published figures.
 
-    python -m benchmarks.projections            # both tables, markdown
+    python -m benchmarks.projections            # every table, markdown
 """
 
 from __future__ import annotations
 
 from engine.parallel.topology import Layout
+from engine.planner.evidence import MIN_SEEDS, all_points
+from engine.planner.goal import Goal
 from engine.planner.hardware import gpu
 from engine.planner.modes import Mode
 from engine.planner.recommend import make_plan
@@ -33,10 +36,23 @@ COLUMNS = [
 ]
 
 
+GOALS = (Goal("loss_per_sample"), Goal("time_to_loss"))
+
+
+def _choice_cell(row, loss: bool) -> str:
+    if row is None:
+        return "nothing fits"
+    est = row.loss if loss else row.factor
+    figure = (f"{est.value:+.2f}%" if loss else f"{est.value:.2f}x samples") if est.measured else "reference"
+    return (f"{row.mode.name} ({row.speedup_vs_ddp:.2f}x, {100 * row.time.compute_utilisation:.0f}% compute"
+            + (", checkpointed" if row.checkpointing else "") + f"; {figure} [{est.evidence()}])")
+
+
 def projection_table() -> str:
     ws = WireSettings(compute_bytes=2)
     head = ["model", "nodes x 8", "Gbit/s", "compute s/step", "DDP bf16 s/step"] + [c for c, _ in COLUMNS] + \
-        ["recommended (AdamW class)", "soonest to AdamW's loss (time vs DDP)"]
+        ["recommended, goal loss_per_sample (+0.5%)", "recommended, goal time_to_loss (time vs DDP)",
+         "soonest to AdamW's loss, any update (time vs DDP)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in ("1b", "8b", "70b"):
         shape = PRESETS[name]
@@ -44,19 +60,59 @@ def projection_table() -> str:
             for link in (1, 10, 100):
                 layout = Layout(nodes, 8)
                 hw = gpu(link, mfu=MFU)
-                plan = make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws, results=RESULTS)
+                plans = [make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws, results=RESULTS, goal=g)
+                         for g in GOALS]
+                plan = plans[0]
                 ref = next(r for r in plan.rows if r.mode == plan.reference)
                 cells = [name.upper(), str(nodes), f"{link:g}", f"{ref.time.compute_s:.3g}", f"{ref.time.step_s:.3g}"]
                 for _, m in COLUMNS:
                     r = next(r for r in plan.rows if r.mode == m)
                     cells.append(f"{r.speedup_vs_ddp:.2f}x" + ("" if r.fits else "*"))
-                c = plan.choice
-                cells.append(f"{c.mode.name} ({c.speedup_vs_ddp:.2f}x, {100 * c.time.compute_utilisation:.0f}% compute"
-                             + (", checkpointed)" if c.checkpointing else ")") if c is not None else "nothing fits")
+                cells.append(_choice_cell(plan.choice, True))
+                t = plans[1].choice
+                cells.append(_choice_cell(t, False).replace("x, ", f"x; to loss {t.to_loss_vs_ddp:.2f}x, ", 1)
+                             if t is not None else "nothing fits")
                 s = plan.soonest
-                cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x)" if s is not None else "-")
+                cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x; {s.factor.value:.2f}x samples "
+                             f"[{s.factor.evidence()}])" if s is not None else "-")
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def evidence_table() -> str:
+    """Every mode's rows in the results folder: the qualifying ones (>= 3 seeds of a benchmark JSON,
+    >= 2 of the loss grid) and how many do not qualify."""
+    by: dict[str, list] = {}
+    for p in all_points(RESULTS):
+        by.setdefault(p.bench.split("@")[0] + (" (two-level)" if p.key.endswith("|two-level") else ""), []).append(p)
+    lines = ["| mode (benchmark name) | qualifying rows: B, samples, loss vs DDP (seeds; JSON) | B and length "
+             "reached | rows with too few seeds |", "|---|---|---|---|"]
+    for name, ps in by.items():
+        good = sorted((p for p in ps if p.qualifies), key=lambda p: (p.global_batch, p.samples))
+        bad = [p for p in ps if not p.qualifies]
+        reach = (f"B {max(p.global_batch for p in good)}, {max(p.samples for p in good if p.global_batch == max(q.global_batch for q in good)):.0f}"
+                 if good else "not measured")
+        lines.append(f"| {name} | " + ("; ".join(f"B {p.global_batch}, {p.samples:.0f}: {p.gap_pct:+.2f}% "
+                                                 f"({len(p.seeds)}; {p.source})" for p in good) or "-")
+                     + f" | {reach} | " + (", ".join(f"{p.source} ({len(p.seeds)})" for p in bad) or "-") + " |")
+    return "\n".join(lines)
+
+
+def seventy_b_note() -> str:
+    """The planner's loss figure for 70B at B = 1024 (8 nodes x 8, 10 Gbit/s) with the B its evidence reaches."""
+    plan = make_plan(PRESETS["70b"], Layout(8, 8), gpu(10, mfu=MFU), Batch(GLOBAL_BATCH, MICRO_BATCH),
+                     WireSettings(compute_bytes=2), results=RESULTS)
+    out = []
+    for m in (plan.choice.mode if plan.choice else None, Mode("acco", exchange=TWO, sharding="node"),
+              Mode("acco", "loco4", "int4", exchange=TWO, sharding="node")):
+        if m is None:
+            continue
+        r = next(r for r in plan.rows if r.mode == m)
+        e = r.loss
+        out.append(f"- {m.name}" + (" (recommended)" if r is plan.choice else "") + ": " + (
+            f"{e.value:+.2f}% vs AdamW, from {e.sources()}; {e.beyond or 'inside the evidence'}" if e.measured
+            else e.not_measured()))
+    return "\n".join(out)
 
 
 def sanity_checks() -> str:
@@ -112,6 +168,11 @@ def main() -> None:
           "(local-step modes: per inner step, the same samples)\n")
     print(projection_table())
     print("\n* does not fit an 80 GB H100 with its activations (engine/planner/memory.py, activations.py)")
+    print(f"\nThe evidence (rows of docs/results on DDP's held-out set; a row qualifies with >= "
+          f"{MIN_SEEDS['benchmark']} seeds of a benchmark JSON or >= {MIN_SEEDS['grid']} of the loss grid):\n")
+    print(evidence_table())
+    print("\nThe planner's loss figures for 70B at B = 1024 x 4096 tokens, 8 nodes x 8, 10 Gbit/s:\n")
+    print(seventy_b_note())
     print("\nSanity checks against published figures:\n")
     print(sanity_checks())
 

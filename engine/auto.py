@@ -1,42 +1,52 @@
-"""``strategy="auto"`` (opt-in): the engine chooses its strategy and codecs at start from the
-planner and a probe of the cluster it runs on (docs/planning.md, "strategy=auto").
+"""``strategy="auto"`` (opt-in): the engine chooses its strategy and codecs at start, by the
+planner's one decision rule (engine/planner/decide.py) on a probe of the cluster it runs on, for
+the goal the config names (``auto_goal``, ``auto_loss_bound_pct``: engine/planner/goal.py;
+docs/planning.md, "The decision rule").
 
-Among the strategies whose spec says their update is AdamW's (never a local-step method, never
-1-bit Adam, never dpu's uncorrected stale update: STALE_UPDATES), with no codec, LoCo-4 gradients, and LoCo-4 with int8 or int4 parameter deltas (a
-codec or parameter codec the caller set is kept), it predicts the time per sample of each from
-the measured link rate and the measured compute of a synthetic micro-batch, and takes the
-fastest; modes within 3% of it count as equally fast and the one with the fewest lossy codecs
-and rounds is taken. Every rank probes with the slowest rank's figures, so all ranks choose the
-same. The choice and its predicted figures are logged (logger ``acco_loco``) and returned as an
-``AutoChoice`` (the Engine keeps it as ``engine.auto_choice``).
+Its candidates: the strategies the rule may choose (AdamW's update, or AdamW's one step late with
+its correction: never a local-step method, 1-bit Adam or dpu), with no codec, LoCo-4 gradients, and
+LoCo-4 with int8 or int4 parameter deltas (a codec or parameter codec the caller set is kept), on
+the exchange the config's topology resolves to and with its model sharding. Each is priced by the
+planner's time model from the measured link rate and the measured compute of a synthetic
+micro-batch, and its loss per sample (or samples to AdamW's loss) comes from the measured
+evidence of the results folder (``auto_results``, default ./docs/results where it exists), at the
+run's batch and length; a mode without rows of its own is never chosen. Every rank probes with
+the slowest rank's figures, so all ranks choose the same. The choice and its reasons are logged
+(logger ``acco_loco``) and returned as an ``AutoChoice`` (the Engine keeps it as
+``engine.auto_choice``).
+
+The engine counts micro-batches, not samples: the loss figures are looked up at B = the
+micro-batches per step (one sample each, a lower bound: the measured cost of ACCO falls with B,
+so this errs towards the synchronous round) and a length of ``max_steps`` steps. The compute
+probe times one synthetic sample per micro-batch: with larger micro-batches a run is more
+compute-bound than assumed; ``python -m engine.plan --measure`` with the run's real micro-batch
+is the precise tool.
 
 The probe runs on the engine's own groups of the compute thread (engine/parallel/dims.py), never
-on the default group, which stays the user's.
-
-The compute probe times one synthetic sample per micro-batch (a sequence of up to 512 tokens for
-a transformers model, one row for a model that starts with a Linear layer): a run whose
-micro-batches hold more samples is more compute-bound than the probe assumes, so the choice
-leans towards the codecs; ``python -m engine.plan --measure`` with the run's real micro-batch
-is the precise tool (it also prints the measured loss per sample, which the engine has no
-results folder for)."""
+on the default group, which stays the user's."""
 
 from __future__ import annotations
 
 import copy
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger("acco_loco")
 
+DEFAULT_RESULTS = Path("docs") / "results"  # relative to the current directory, as the planner's
+
+
 # Left out although their spec is AdamW's class: dpu's update is AdamW's one step late with no
-# correction, +16.9% held-out loss against DDP at 3072 samples (docs/results.md, issue 35) and a
-# diverged seed at 1 Gbit/s; a default must keep AdamW's loss per sample (acco corrects the delay).
+# correction, +16.9% held-out loss against DDP at 3072 samples (one seed,
+# docs/results/acco_attribution_1gbit_b16_s0.json) and a diverged seed at 1 Gbit/s.
 STALE_UPDATES = ("dpu",)
 
 
 def candidate_strategies() -> tuple[str, ...]:
+    """The strategies the decision rule may choose, here and in the planner's recommendation."""
     from .planner.modes import auto_strategies  # the planner loads when auto is used
 
     return tuple(s for s in auto_strategies() if s not in STALE_UPDATES)
@@ -52,6 +62,62 @@ class AutoChoice:
     predicted_s_per_micro_batch: float = 0.0
     inter_Bps: float = 0.0
     samples_per_s: float = 0.0
+    goal: str = ""
+
+
+def auto_modes(cfg, layout) -> list:
+    """The modes strategy="auto" may run under ``cfg`` on ``layout``: the decision's strategies
+    with the codec variants the config leaves open (a codec the planner's table does not list:
+    as given), on the exchange its topology resolves to and with its model sharding."""
+    from .planner.decide import runnable
+    from .planner.modes import CODEC_VARIANTS, Mode, candidates
+
+    codecs = [(c, p) for c, p in CODEC_VARIANTS
+              if (cfg.codec == "none" or c == cfg.codec) and (cfg.param_codec == "auto" or p == cfg.param_codec)]
+    codecs = codecs or [(cfg.codec, cfg.param_codec)]
+    strategies = candidate_strategies()
+    bases = [m for m in candidates(two_level=layout.ranks_per_node > 1)
+             if not m.is_ddp and m.strategy in strategies and (m.codec, m.param_codec) == ("none", "auto")
+             and runnable(m, layout, cfg.topology, cfg.model_sharding)]
+    return [Mode(m.strategy, c, p, exchange=m.exchange, sharding=m.sharding) for m in bases for c, p in codecs]
+
+
+def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | None, batch=None,
+                label: str = "this run"):
+    """The decision strategy="auto" takes once the probe has measured ``hw``: the planner's rows
+    of ``auto_modes`` and ``decide`` with the config's goal. ``batch``: the global batch (default:
+    from the config, in micro-batches of one sample: ``global_micro_batches``, or ``micro_batches``
+    x world x the mode's rounds). Returns (the chosen PlanRow or None, the Decision, the rows)."""
+    from .planner.decide import decide
+    from .planner.goal import Goal
+    from .planner.recommend import plan_rows
+    from .planner.timeline import Batch
+
+    goal = Goal(cfg.auto_goal, cfg.auto_loss_bound_pct)
+    modes = auto_modes(cfg, layout)
+    groups: dict[int, list] = {}
+    for m in modes:
+        if batch is not None:
+            per_step = batch.global_samples
+        elif cfg.global_micro_batches is not None:
+            per_step = cfg.global_micro_batches
+            if per_step < m.rounds * layout.world:
+                continue  # each round needs a micro-batch per worker (docs/design/rounds.md)
+        else:
+            per_step = cfg.micro_batches * layout.world * m.rounds
+        groups.setdefault(per_step, []).append(m)
+    rows = []
+    for per_step, ms in groups.items():
+        b = batch if batch is not None else Batch(per_step, 1)
+        got, _ = plan_rows(shape, layout, hw, b, ws, ms, hw.memory_bytes, steps, results, "auto", label)
+        rows += [r for r in got if not r.mode.is_ddp]
+    decision = decide(rows, goal, label=label)
+    return decision.choice, decision, rows
+
+
+def _results_folder(cfg) -> Path | None:
+    folder = Path(cfg.auto_results) if cfg.auto_results else DEFAULT_RESULTS
+    return folder if folder.is_dir() else None
 
 
 def choose_strategy(cfg, model: torch.nn.Module, dims):
@@ -61,12 +127,10 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
         return cfg, None
     from .core.dtypes import resolve_compute_dtype
     from .parallel.topology import Layout
-    from .planner.hardware import cpu_testbed, gpu
-    from .planner.modes import CODEC_VARIANTS, Mode
+    from .planner.hardware import H100_MEM_GIB, cpu_testbed, gpu
+    from .planner.modes import Mode
     from .planner.probe import model_step, probe_cluster, time_compute
-    from .planner.recommend import TIE, simplicity
     from .planner.shape import ModelShape
-    from .planner.timeline import Batch, step_time
     from .planner.wire import WireSettings
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -77,7 +141,7 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
         out.validate()
         why = f"strategy=auto -> {out.strategy} (world size 1: nothing to exchange)"
         log.info(why)
-        return out, AutoChoice(out.strategy, out.codec, out.param_codec, why)
+        return out, AutoChoice(out.strategy, out.codec, out.param_codec, why, goal=cfg.auto_goal)
     numel = sum(p.numel() for p in params)
     try:
         step = model_step(model, 1)
@@ -93,34 +157,39 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
     dtype = resolve_compute_dtype(cfg.compute_dtype, params[0].dtype)
     ws = WireSettings(compute_bytes=torch.empty((), dtype=dtype).element_size(), group_size=cfg.group_size,
                       scale_dtype=cfg.scale_dtype, grad_dtype=cfg.grad_dtype, step_copy=cfg.step_copy)
-    hw = (gpu(measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9 or 450.0, samples_per_s=samples_per_s)
-          if device.type == "cuda" else cpu_testbed(measured.inter_Bps * 8, samples_per_s))
+    if device.type == "cuda":
+        mem_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if torch.cuda.is_available() \
+            else H100_MEM_GIB
+        hw = gpu(measured.inter_Bps * 8 / 1e9, measured.intra_Bps / 1e9 or 450.0, samples_per_s=samples_per_s,
+                 mem_gib=mem_gib)
+    else:
+        hw = cpu_testbed(measured.inter_Bps * 8, samples_per_s)
     shape = ModelShape(numel, 1, 1, 1, 1)
     layout = Layout(measured.nodes, measured.per_node)
-    codecs = [(c, p) for c, p in CODEC_VARIANTS
-              if (cfg.codec == "none" or c == cfg.codec) and (cfg.param_codec == "auto" or p == cfg.param_codec)]
-    if not codecs:  # a codec the table does not list: keep it as given
-        codecs = [(cfg.codec, cfg.param_codec)]
-    scored = []
-    for strategy in candidate_strategies():
-        for codec, param_codec in codecs:
-            mode = Mode(strategy, codec, param_codec)
-            per_step = cfg.global_micro_batches or cfg.micro_batches * world * mode.rounds
-            if cfg.global_micro_batches is not None and per_step < mode.rounds * world:
-                continue  # each round needs a micro-batch per worker (docs/design/rounds.md)
-            t = step_time(mode, shape, layout, hw, Batch(per_step, 1), ws)
-            scored.append((t.step_s / per_step, mode, t))
-    best = min(s for s, _, _ in scored)
-    per_sample, mode, t = min((x for x in scored if x[0] <= best * (1 + TIE)),
-                              key=lambda x: (simplicity(x[1]), x[0]))
+    results = _results_folder(cfg)
+    choice, decision, rows = decide_auto(cfg, shape, layout, hw, ws, results, cfg.max_steps)
+    if choice is None:  # nothing measured meets the goal here: AdamW's own update, the synchronous round
+        out.strategy = min(candidate_strategies(), key=lambda s: (Mode(s).rounds, Mode(s).overlap))
+        out.validate()
+        why = (f"strategy=auto -> {out.strategy} (the synchronous round: AdamW's own update"
+               + (", with the codecs you set" if (cfg.codec, cfg.param_codec) != ("none", "auto") else "")
+               + f"): the rule took nothing: {decision.why}"
+               + ("" if results is not None else f" No results folder at {DEFAULT_RESULTS.resolve()}: set "
+                  "auto_results to the repository's docs/results for measured loss figures."))
+        if rank == 0:
+            log.info(why)
+        return out, AutoChoice(out.strategy, out.codec, out.param_codec, why, goal=cfg.auto_goal)
+    mode, t = choice.mode, choice.time
     out.strategy, out.codec, out.param_codec = mode.strategy, mode.codec, mode.param_codec
     out.validate()
-    why = (f"strategy=auto -> {mode.name}: predicted {per_sample * 1e3:.3g} ms per micro-batch "
-           f"({t.step_s:.3g} s/step: compute {t.compute_s:.3g} s, node link {t.inter_s:.3g} s, comm-side work "
-           f"{t.comm_work_s:.3g} s), {t.bytes.rank / 1e6:.4g} MB per rank per step; measured: {measured.describe()}, "
-           f"compute {samples_per_s:.3g} synthetic samples/s; others: "
-           + ", ".join(f"{m.name} {s * 1e3:.3g} ms" for s, m, _ in sorted(scored, key=lambda x: x[0])[:5]))
+    per_micro = t.step_s / choice.samples_per_step
+    others = sorted((r for r in rows if r is not choice), key=lambda r: r.time.step_s / r.samples_per_step)[:5]
+    why = (f"strategy=auto -> {mode.name}: {decision.why} Measured: {measured.describe()}, compute "
+           f"{samples_per_s:.3g} synthetic samples/s; B = {choice.samples_per_step} micro-batches per step (one "
+           f"sample each, the engine does not know more), {cfg.max_steps} steps; predicted per micro-batch: "
+           f"{mode.name} {per_micro * 1e3:.3g} ms, "
+           + ", ".join(f"{r.mode.name} {r.time.step_s / r.samples_per_step * 1e3:.3g} ms" for r in others))
     if rank == 0:
         log.info(why)
-    return out, AutoChoice(mode.strategy, mode.codec, mode.param_codec, why, t.step_s, per_sample,
-                           measured.inter_Bps, samples_per_s)
+    return out, AutoChoice(mode.strategy, mode.codec, mode.param_codec, why, t.step_s, per_micro,
+                           measured.inter_Bps, samples_per_s, cfg.auto_goal)

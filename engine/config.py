@@ -18,7 +18,8 @@ from acco_loco.optim import OptimizerSpec
 from acco_loco.schedule import validate_schedule
 
 from .core.dtypes import GRAD_DTYPE_NODE_REFUSED
-from .rules import Check, Choice, Rule, choice, integer, is_int, setting
+from .planner.goal import DEFAULT_GOAL, DEFAULT_LOSS_BOUND_PCT, GOALS
+from .rules import Check, Choice, Rule, choice, integer, is_int, number, optional, setting
 from .sections import (
     AccumulationConfig,
     CommunicationConfig,
@@ -103,6 +104,14 @@ class EngineConfig:
                             "pseudo-gradient; onebit_adam = 1-bit Adam: AdamW warmup, then the frozen-variance "
                             "momentum as 1 bit a value each way; auto = zero1 or acco and their codecs, "
                             "chosen at start by the planner from a probe of the links (engine/auto.py)")
+    auto_goal: str = setting(DEFAULT_GOAL, "strategy=auto: what it decides by (engine/planner/goal.py): "
+                             "loss_per_sample = the fastest mode whose measured loss per sample is within "
+                             "auto_loss_bound_pct of AdamW's; time_to_loss = the least predicted time to AdamW's "
+                             "loss; either way only modes with measured rows of their own")
+    auto_loss_bound_pct: float = setting(DEFAULT_LOSS_BOUND_PCT, "strategy=auto, auto_goal=loss_per_sample: the "
+                                         "most held-out loss above AdamW's at equal samples, in percent")
+    auto_results: str | None = setting(None, "strategy=auto: the folder of the measured benchmark JSONs (the "
+                                       "repository's docs/results); none = ./docs/results where it exists")
     max_steps: int = setting(1000, "committed optimizer steps (also the lr schedule's horizon)")
     compute_dtype: str = setting("auto", "dtype of forward/backward: auto = the model's dtype")
     grad_dtype: str = setting("auto", "dtype the gradient is accumulated over micro-batches in and sent in "
@@ -333,6 +342,10 @@ class _StrategyChoice(Choice):
 
 _RULES: dict[str, Rule] = {  # the sections' fields bring theirs (their RULES)
     "strategy": _StrategyChoice(),
+    "auto_goal": choice(GOALS),
+    "auto_loss_bound_pct": number(0),
+    "auto_results": optional(Check("a non-empty path", lambda v: isinstance(v, str) and v != ""),
+                             "./docs/results where it exists"),
     "max_steps": integer(1),
     "compute_dtype": choice(COMPUTE_DTYPES),
     "grad_dtype": choice(GRAD_DTYPES),

@@ -2,7 +2,8 @@
 
 Predicts, for every strategy and codec the engine has (and torch DDP), the step time, the bytes
 through each node's link, the training state and activations per GPU, whether they fit its
-memory, and the measured loss per sample against AdamW, then recommends one that fits and says
+memory, and the measured loss per sample against AdamW at the run's batch and length, then recommends
+one by the decision rule strategy="auto" uses (--goal), with the evidence behind it, and says
 why, or, when none fits, what would (docs/planning.md). The
 measured losses come from the benchmark JSONs of --results (default ./docs/results: run it from
 the repository's root, or name the folder).
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from .parallel.topology import Layout
 from .planner.fit import CHECKPOINTING
+from .planner.goal import DEFAULT_GOAL, DEFAULT_LOSS_BOUND_PCT, GOALS, Goal
 from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, cpu_testbed, gpu
 from .planner.modes import candidates
 from .planner.recommend import format_plan, make_plan
@@ -73,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "in their step time)")
     b.add_argument("--steps", type=int, help="optimizer steps of the planned run: the samples each mode needs to "
                    "reach AdamW's loss come from the benchmark runs nearest that length (default: all runs)")
+    d = ap.add_argument_group("decision (the rule strategy='auto' uses too: engine/planner/decide.py)")
+    d.add_argument("--goal", choices=GOALS, default=DEFAULT_GOAL,
+                   help="loss_per_sample = the fastest mode whose measured loss per sample is within --loss-bound of "
+                        "AdamW's; time_to_loss = the least predicted time to AdamW's loss (EngineConfig auto_goal)")
+    d.add_argument("--loss-bound", type=float, default=DEFAULT_LOSS_BOUND_PCT, metavar="PCT",
+                   help="with --goal loss_per_sample: the most held-out loss above AdamW's at equal samples, percent "
+                        "(EngineConfig auto_loss_bound_pct)")
+    d.add_argument("--topology", choices=("auto", "flat", "two_level"), default="auto",
+                   help="the run's exchange as EngineConfig's topology: the recommendation runs it (auto = two-level "
+                        "at >= 2 nodes of >= 2 ranks)")
+    d.add_argument("--model-sharding", choices=("any", "none", "node"), default="any",
+                   help="the run's model_sharding: any = the recommendation may take either")
     ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange (and node sharding) out")
     ap.add_argument("--results", type=Path, default=None,
                     help=f"the benchmark JSONs the measured losses come from (default: ./{DEFAULT_RESULTS})")
@@ -170,8 +184,16 @@ def main(argv=None) -> int:
                          "raise it to at least one sample per rank")
     if a.steps is not None and a.steps < 1:
         raise SystemExit(f"--steps {a.steps}: give the planned run's optimizer steps, at least 1")
+    try:
+        goal = Goal(a.goal, a.loss_bound)
+    except ValueError as exc:
+        raise SystemExit(f"--loss-bound: {exc}")
+    if a.flat_only and a.topology == "two_level":
+        raise SystemExit("--flat-only leaves out the two-level exchange that --topology two_level asks for")
     plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None,
-                     steps=a.steps, results=results, checkpointing=a.activation_checkpointing)
+                     steps=a.steps, results=results, checkpointing=a.activation_checkpointing, goal=goal,
+                     topology="flat" if a.flat_only else a.topology,
+                     model_sharding=None if a.model_sharding == "any" else a.model_sharding)
     if measured is not None and measured.rank != 0:
         return 0
     print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "
@@ -193,11 +215,15 @@ def main(argv=None) -> int:
                                           "memory_bytes": r.memory.total, "memory": asdict(r.memory),
                                           "activation_bytes": r.activations, "checkpointing": r.checkpointing,
                                           "fits": r.fits,
-                                          "loss_vs_adamw_pct": r.quality.loss_vs_adamw_pct,
-                                          "loss_sources": list(r.quality.sources),
-                                          "samples_to_adamw_loss": r.factor.factor,
-                                          "samples_sources": list(r.factor.sources),
+                                          "loss_vs_adamw_pct": r.loss.value,
+                                          "loss_evidence": r.loss.evidence(),
+                                          "loss_beyond": r.loss.beyond,
+                                          "loss_sources": [p.describe() for p in r.loss.basis],
+                                          "loss_not_measured": r.loss.not_measured(),
+                                          "samples_to_adamw_loss": r.factor.value,
+                                          "samples_sources": [p.describe() for p in r.factor.basis],
                                           "to_loss_vs_ddp": r.to_loss_vs_ddp} for r in plan.rows],
+               "goal": {"kind": goal.kind, "loss_bound_pct": goal.loss_bound_pct},
                "recommended": plan.choice.mode.name if plan.choice else None, "why": plan.why,
                "soonest": plan.soonest.mode.name if plan.soonest else None, "why_soonest": plan.why_soonest,
                "measured": asdict(measured) if measured is not None else None}

@@ -11,9 +11,13 @@ memory per GPU, the measured loss per sample and the time to AdamW's loss, and r
 - ``timeline``: a step's time from the strategy's round plan;
 - ``memory``: the training state per GPU; ``activations``: one micro-batch's, with and without
   checkpointing; ``fit``: whether both fit the GPU; ``advice``: what would, when nothing does;
-- ``quality``: the loss per sample against AdamW, and the samples to AdamW's loss, from the
-  results folder the caller names (never found from the source tree);
-- ``recommend``: the rows, the recommendation (AdamW's class, fitting) and the soonest to AdamW's loss;
+- ``quality``: reading the benchmark JSONs of the results folder the caller names (never found from
+  the source tree): which mode a row ran, DDP's held-out set, a run's samples to AdamW's loss;
+- ``evidence``: each mode's measured rows (>= 3 seeds, the loss grid's >= 2) and its loss per sample
+  and samples factor at the run's B and length, interpolated, never extrapolated;
+- ``goal``: the user's goal (keep AdamW's loss per sample within a bound, or reach it soonest);
+- ``decide``: the one decision rule, strategy="auto"'s and the recommendation's;
+- ``recommend``: the rows, the recommendation (``decide`` for the goal) and the soonest to AdamW's loss;
 - ``probe``: ``--measure``, timed collectives and micro-batches on the running cluster.
 
 Predicted against measured on the testbed: benchmarks/plan_validate.py; the

@@ -1,0 +1,179 @@
+"""The one decision rule (engine/planner/decide.py): strategy="auto" and the planner's
+recommendation agree, nothing is recommended without measured rows of its own, and the loss model
+interpolates in B and run length without extrapolating (engine/planner/evidence.py). No processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.projections import GLOBAL_BATCH, MFU, MICRO_BATCH
+from benchmarks.plan_validate import RESULTS
+from engine import EngineConfig
+from engine.auto import auto_modes, decide_auto
+from engine.parallel.topology import Layout
+from engine.planner.evidence import Point, all_points, estimate, evidence_key, interpolate
+from engine.planner.goal import Goal
+from engine.planner.hardware import gpu
+from engine.planner.modes import Mode
+from engine.planner.quality import bench_mode, bench_name
+from engine.planner.recommend import make_plan
+from engine.planner.shape import PRESETS
+from engine.planner.timeline import Batch
+from engine.planner.wire import WireSettings
+
+BF16 = WireSettings(compute_bytes=2)
+GRID = [(model, nodes, link) for model in ("1b", "8b", "70b") for nodes in (2, 8, 64) for link in (1, 10, 100)]
+
+
+def _both(model, nodes, link, goal, sharding):
+    shape, layout, hw = PRESETS[model], Layout(nodes, 8), gpu(link, mfu=MFU)
+    batch = Batch(GLOBAL_BATCH, MICRO_BATCH)
+    plan = make_plan(shape, layout, hw, batch, BF16, results=RESULTS, goal=goal, model_sharding=sharding)
+    cfg = EngineConfig(strategy="auto", auto_goal=goal.kind, auto_loss_bound_pct=goal.loss_bound_pct,
+                       model_sharding=sharding, global_micro_batches=GLOBAL_BATCH)
+    choice, decision, _ = decide_auto(cfg, shape, layout, hw, BF16, RESULTS, None, batch=batch)
+    return plan, choice, decision
+
+
+@pytest.mark.parametrize("goal", [Goal("loss_per_sample"), Goal("time_to_loss")], ids=lambda g: g.kind)
+def test_auto_and_the_planner_agree_over_the_projection_grid(goal):
+    """benchmarks/projections.py's 27 rows (1B/8B/70B, 2/8/64 nodes of 8, 1/10/100 Gbit/s), the model
+    not sharded and sharded over the node: the same choice, or neither chooses."""
+    picked = set()
+    for model, nodes, link in GRID:
+        for sharding in ("none", "node"):
+            plan, choice, decision = _both(model, nodes, link, goal, sharding)
+            planned = plan.choice.mode if plan.choice else None
+            auto = choice.mode if choice else None
+            assert planned == auto, (model, nodes, link, sharding, plan.why, decision.why)
+            picked.add(planned)
+    assert len(picked - {None}) >= 2, picked  # the grid exercises more than one answer
+
+
+def test_no_projection_row_recommends_a_mode_without_its_own_measured_rows():
+    for model, nodes, link in GRID:
+        for goal in (Goal("loss_per_sample"), Goal("time_to_loss")):
+            plan = make_plan(PRESETS[model], Layout(nodes, 8), gpu(link, mfu=MFU), Batch(GLOBAL_BATCH, MICRO_BATCH),
+                             BF16, results=RESULTS, goal=goal)
+            for row in (plan.choice, plan.soonest):
+                if row is None or row.mode == plan.reference:
+                    continue
+                est = row.loss if (goal.kind == "loss_per_sample" and row is plan.choice) else row.factor
+                assert est.measured and est.basis, (model, nodes, link, row.mode.name)
+                key = evidence_key(row.mode)
+                assert all(p.key == key and p.qualifies for p in est.basis), [p.describe() for p in est.basis]
+            if plan.choice is not None and goal.kind == "loss_per_sample":
+                assert plan.choice.loss.value <= goal.loss_bound_pct
+                assert "B = 1024" in plan.why or not plan.choice.loss.beyond  # the run's B beside its evidence
+
+
+def test_zero1_with_loco_is_not_measured_and_never_chosen():
+    # the grid's zero1+loco4 rows have one seed so far: shown "not measured", never taken
+    for m in (Mode("zero1", "loco4", "int8"), Mode("zero1", "loco4", "int4"),
+              Mode("acco", "loco4", "int4", exchange="two-level")):
+        est = estimate(m, RESULTS, 1024, None)
+        assert not est.measured and est.not_measured().startswith("not measured"), est
+    plan = make_plan(PRESETS["8b"], Layout(8, 8), gpu(1, mfu=MFU), Batch(1024, 1), BF16, results=RESULTS)
+    assert plan.choice is not None and plan.choice.mode.codec == "none", plan.why
+    assert "not measured" in plan.why  # the faster unmeasured modes are named with the reason
+
+
+def test_the_benchmarks_names_map_to_what_they_run():
+    """benchmarks/modes.py: acco+loco4 and zero1+loco4 send int8 parameter deltas."""
+    from benchmarks.modes import MODES
+
+    parsed = {name: bench_mode(name) for name in MODES}
+    for name, mine in parsed.items():
+        bench = MODES[name]
+        if mine is None:  # torch DDP's variants, ACCO's delay corrections, equal shares, grow mode, other codecs
+            assert bench.strategy is None or bench.extra or bench.codec not in ("none", "loco4"), name
+            continue
+        assert (bench.strategy, bench.codec) == (mine.strategy, mine.codec), name
+        assert set(bench.extra) <= {"topology", "inner_steps", "outer_overlap"}, name  # nothing else changed
+        assert bench.param_codec == (mine.param_codec if mine.param_codec != "auto" else "float32"), name
+        assert bench_name(mine) in (name.split("@")[0], "acco+loco4"), name  # acco+loco4+int8 is its alias
+    assert {"zero1", "acco", "acco+loco4", "zero1+loco4", "zero1+loco4+int4params", "onebit-adam", "diloco-h15",
+            "sparseloco-h15+overlap"} <= {n for n, m in parsed.items() if m is not None}
+    assert bench_mode("zero1+loco4") == Mode("zero1", "loco4", "int8")
+    assert bench_mode("acco+loco4+int4params@two_level") == Mode("acco", "loco4", "int4", exchange="two-level")
+    assert bench_name(Mode("zero1", "loco4", "int8")) == "zero1+loco4"
+    assert bench_name(Mode("acco", "loco4")) is None  # full-precision parameters with LoCo: never run
+    # the exchange changes a compressed update, not an uncompressed one
+    assert evidence_key(Mode("zero1", exchange="two-level", sharding="node")) == evidence_key(Mode("zero1"))
+    assert evidence_key(Mode("acco", "loco4", "int4", exchange="two-level")) != evidence_key(Mode("acco", "loco4", "int4"))
+
+
+def _pt(b, n, gap, seeds=3, kind="benchmark"):
+    return Point("k", "m", f"b{b}_n{n}.json", kind, b, float(n), gap, tuple(range(seeds)), (gap,) * seeds, 1 + gap / 10)
+
+
+def test_interpolation_is_the_measured_value_at_a_measured_point_and_says_beyond_outside():
+    pts = [_pt(16, 3072, 1.3), _pt(64, 3072, 0.5), _pt(16, 12288, 0.8), _pt(64, 12288, 0.1)]
+    for p in pts:
+        got = interpolate(pts, p.global_batch, p.samples)
+        assert got.value == pytest.approx(p.gap_pct) and not got.beyond
+        assert got.evidence() == f"B {p.global_batch}, {p.samples:.0f} samples"
+    mid = interpolate(pts, 32, 3072)  # half-way in log B
+    assert mid.value == pytest.approx(0.9) and not mid.beyond and mid.evidence() == "B 16-64, 3072 samples"
+    corner = interpolate(pts, 32, 6144)  # half-way in both
+    assert corner.value == pytest.approx((1.3 + 0.5 + 0.8 + 0.1) / 4)
+    big = interpolate(pts, 1024, 12288, label="the 70B run")
+    assert big.value == pytest.approx(0.1)  # the largest measured B's figure, never extrapolated
+    assert big.beyond.startswith("beyond the evidence") and \
+        "evidence reaches B = 64, length 12288 samples; the 70B run at B = 1024 is beyond it" in big.beyond
+    long = interpolate(pts, 64, 10 ** 8)
+    assert long.value == pytest.approx(0.1) and "beyond the longest measured run" in long.beyond
+    small = interpolate(pts, 8, 3072)
+    assert small.value == pytest.approx(1.3) and "below it" in small.beyond
+    unknown = interpolate(pts, 64, None)  # no length given: the longest measured at that B
+    assert unknown.value == pytest.approx(0.1) and "no run length given" in unknown.note
+    assert interpolate(pts, 32, 3072, "factor").value == pytest.approx(1.09)
+
+
+def test_only_qualifying_rows_of_the_modes_own_count(tmp_path):
+    """A grid point counts from 2 seeds, a benchmark row from 3; a mode with fewer is "not measured"."""
+    grid = tmp_path / "loss_grid"
+    grid.mkdir()
+    runs = []
+    for mode, losses in (("torch-ddp", (2.0, 2.1)), ("zero1+loco4", (2.02, 2.1))):
+        for seed, final in enumerate(losses):
+            evals = [{"samples": 100, "loss": 3.0}, {"samples": 200, "loss": final}]
+            runs.append({"mode": mode, "lr": 1e-3, "seed": seed, "final_loss": final, "evals": evals})
+    summary = {"torch-ddp": {"best_lr": 1e-3, "gap_vs_ddp_pct": {"0": 0.0, "1": 0.0}},
+               "zero1+loco4": {"best_lr": 1e-3, "gap_vs_ddp_pct": {"0": 1.0}}}
+    doc = {"global_batch": 32, "samples": 200, "workload": {}, "runs": runs, "summary": summary}
+    (grid / "b32_n200.json").write_text(json.dumps(doc))
+    one_seed = estimate(Mode("zero1", "loco4", "int8"), tmp_path, 32, 200)
+    assert not one_seed.measured and "1 seed < 2" in one_seed.not_measured()
+    summary["zero1+loco4"]["gap_vs_ddp_pct"]["1"] = 0.0
+    (grid / "b32_n200.json").write_text(json.dumps(doc))
+    all_points.cache_clear()
+    from engine.planner.quality import results_doc
+
+    results_doc.cache_clear()
+    two = estimate(Mode("zero1", "loco4", "int8"), tmp_path, 32, 200)
+    assert two.measured and two.value == pytest.approx(0.5) and two.basis[0].factor is not None
+    # the int4 variant has no rows of its own: nothing is carried over from int8's
+    assert not estimate(Mode("zero1", "loco4", "int4"), tmp_path, 32, 200).measured
+
+
+def test_goal_is_one_setting_with_clear_errors():
+    assert Goal().kind == EngineConfig().auto_goal == "loss_per_sample"
+    assert Goal().loss_bound_pct == EngineConfig().auto_loss_bound_pct == 0.5
+    with pytest.raises(ValueError, match="choose one of"):
+        Goal("fastest")
+    with pytest.raises(ValueError, match="percentage"):
+        Goal("loss_per_sample", -1)
+    with pytest.raises(ValueError, match="auto_goal"):
+        EngineConfig(strategy="auto", auto_goal="fastest").validate()
+
+
+def test_auto_modes_follow_the_config():
+    two = Layout(2, 8)
+    modes = auto_modes(EngineConfig(strategy="auto"), two)
+    assert modes and all(m.exchange == "two-level" and m.sharding == "none" for m in modes)
+    assert {m.strategy for m in modes} == {"zero1", "acco"}  # never dpu, local steps or 1-bit Adam
+    flat = auto_modes(EngineConfig(strategy="auto", topology="flat", codec="loco4", param_codec="int4"), two)
+    assert {(m.exchange, m.codec, m.param_codec) for m in flat} == {("flat", "loco4", "int4")}
