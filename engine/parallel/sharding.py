@@ -159,7 +159,7 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
     # without overlap the round's gradient buffer is free once reduced: the new parameters are
     # gathered into it (one buffer of the local shards' size for both); with overlap compute
     # accumulates into a second one meanwhile, and the gather has a buffer of its own
-    one = not strategy.plan.overlap
+    one = not strategy.plan.overlap or strategy.plan.local_steps > 0  # local steps read no second buffer
     flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
                        math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2)
     dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, device))
@@ -171,5 +171,7 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
     return RoundContext(cfg=cfg, comm=dims.comm("world"), flat=flat, spec=spec,
                         shard_state=init_state(owned, spec), grads=ShardGrads(inner_grads, node, rail, layout),
                         params=ShardParams(inner_params, node, rail, layout, refresh=flat.read_into if one else None),
-                        gather_buf=flat.grads[0] if one else flat.read_into(torch.empty_like(flat.grads[0])),
+                        # (a strategy whose parameters live in it between rounds, local_sgd's, keeps its own)
+                        gather_buf=flat.grads[0] if one and not getattr(strategy, "gathered_is_state", False)
+                        else flat.read_into(torch.empty_like(flat.grads[0])),
                         dims=dims)

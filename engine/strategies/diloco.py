@@ -72,15 +72,16 @@ class DiLoCo(LocalStepStrategy):
 
     def average(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
         """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype."""
-        comm, n = ctx.comm, ctx.comm.world_size
-        rows = comm.all_to_all_rows(delta.to(self.wire).view(n, -1))  # row r: rank r's piece of my shard
-        mine = torch.zeros(rows.shape[1], dtype=torch.float32, device=delta.device)
+        comm, n, place = ctx.comm, ctx.comm.world_size, self.place
+        # row r: rank r's piece of my shard (the wire tensors on the compute device: outer_state.py)
+        rows = comm.all_to_all_rows(place.to_wire(delta.to(self.wire)).view(n, -1))
+        mine = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
         for rank, share in enumerate(shares):
             if share:
                 mine.add_(rows[rank].to(torch.float32), alpha=share)
-        out = torch.empty(delta.numel(), dtype=self.wire, device=delta.device)
+        out = torch.empty(delta.numel(), dtype=self.wire, device=rows.device)
         comm.all_gather(mine.to(self.wire), out)
-        return out.to(torch.float32)
+        return place.from_wire(out).to(torch.float32)
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"outer.momentum": self.momentum}

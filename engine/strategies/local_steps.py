@@ -11,6 +11,11 @@ Compute side (the caller's thread; engine/loops/local_steps.py calls these in th
 Comm side: ``run_round`` (one small all-reduce, then the subclass's exchange and outer step).
 The inner optimizer is ``cfg.optimizer`` on the whole padded flat buffer: a full-size
 ``ctx.shard_state`` whose master is theta_w; the model's parameters are its compute-dtype copy.
+With node replicas (the two-level layout) each rank steps its slice of the node's buffer; with the
+model sharded inside the node (model_sharding="node", engine/parallel/sharding.py) each rank steps
+its FSDP2 local shards (1/G of the model), which FSDP2's reduce-scatter has already summed over the
+node, and the outer round runs on them over the rail (docs/local_steps.md, "Node sharding and the
+outer state on the CPU"). The outer state lives where ``outer_state_device`` says (outer_state.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 
 from acco_loco.acco import RoundKind, RoundPlan
 from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_step
-from acco_loco.outer import merge_delayed, pseudo_gradient, sample_shares
+from acco_loco.shard_state import ShardState
+from acco_loco.outer import pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
@@ -32,6 +38,7 @@ from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
+from .outer_state import OuterPlace
 from .spec import MemorySpec, StrategySpec
 
 
@@ -47,8 +54,7 @@ class LocalStepStrategy(Strategy):
 
     name = ""
     two_level = True  # a node is one replica (engine/strategies/node_replica.py)
-    node_sharding_refused = ("a node replica's inner steps all-gather the whole parameter buffer in the node; "
-                             "FSDP2's inner steps are not wired to the outer round yet")
+    node_sharding_refused = None  # each rank steps its FSDP2 local shards; the outer round runs over the rail
     sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
     # each worker's inner copy is its own; theta_sync and the outer momentum every replica's alike;
     # sparseloco's error feedback summed
@@ -70,7 +76,9 @@ class LocalStepStrategy(Strategy):
         self.period_start = time.perf_counter()
         self._scratch: torch.Tensor | None = None  # the fused inner step's square roots, one piece long
         self.layout = None  # the node layout when a node is one replica (two-level), else None
-        self.replica: NodeReplica | None = None
+        self.replica: NodeReplica | None = None  # node replicas, and a model sharded inside the node
+        self.sharded = False  # model_sharding='node': theta_w is this rank's FSDP2 local shards
+        self.place: OuterPlace | None = None  # where the outer state lives (outer_state_device)
         self.node_due = False  # node replicas: some rank of the node saw its outer period elapse
         self._exhausted: torch.Tensor | None = None  # node replicas: the data-ran-out flag's buffer
 
@@ -126,14 +134,17 @@ class LocalStepStrategy(Strategy):
                              f"{world} workers, who all take the same number in {self.name!r}: use a "
                              f"multiple of {world}")
         master = ctx.shard_state.master
-        if self.layout is not None:  # every rank of every node, in this order: its groups
-            self.replica = NodeReplica(ctx.dims)
+        dims = getattr(ctx, "dims", None)
+        self.sharded = dims is not None and dims.kind == "node_sharded"
+        if self.layout is not None or self.sharded:  # every rank of every node, in this order: its groups
+            self.replica = NodeReplica(dims)
         owned = ctx.flat.padded // (1 if self.layout is None else self.layout.ranks_per_node)
         if master.numel() != owned:
             raise RuntimeError(f"{self.name} needs the inner optimizer state of {owned} values (the whole "
                                f"buffer, or a node replica's slice), the engine gave {master.numel()}")
-        self.theta_sync = master.detach().clone()
-        self.submitted = torch.zeros_like(master)
+        self.place = OuterPlace(ctx.cfg.outer_state_device, master.device)
+        self.theta_sync = self.place.copy_of(master.detach())
+        self.submitted = torch.zeros_like(self.theta_sync)
         self.setup_outer(ctx)
         self.period_start = time.perf_counter()
 
@@ -220,34 +231,38 @@ class LocalStepStrategy(Strategy):
                          loss_sum: float | torch.Tensor, step_index: int, lr: float) -> InnerStep:
         """The node's inner step: the node's summed gradient, reduce-scattered inside the node; each
         rank steps its slice; the same decisions on every rank of the node (one small all-reduce
-        for the counts, the norm and the flags, one for the new slices' finiteness)."""
+        for the counts, the norm and the flags, one for the new slices' finiteness). The step is
+        written over the state in pieces (``_step_in_place``): no second copy of the inner state,
+        which is what would not fit at scale. A model sharded inside the node: FSDP2's
+        reduce-scatter has already summed the node's gradients of this rank's local shards."""
         cfg, rep, state = ctx.cfg, self.replica, ctx.shard_state
-        part = rep.node_sum(grad_sum)
+        part = grad_sum if self.sharded else rep.node_sum(grad_sum)
         due = cfg.outer_period_s is not None and time.perf_counter() - self.period_start >= cfg.outer_period_s
         n, node_samples, loss_sum, sq, bad, self.node_due = inner_totals(rep, part, count, samples, loss_sum,
                                                                           grad_sum, due)
-        if self.layout.local == 0:  # the node's tallies, once per node: the outer round sums every rank's
+        if rep.layout.local == 0:  # the node's tallies, once per node: the outer round sums every rank's
             self.period.micro_batches += n
             self.period.samples += node_samples
             self.period.loss_sum += loss_sum
         norm = math.sqrt(sq) / n if not bad else math.nan
         if not math.isfinite(norm):
             return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite gradient")
-        grad = part / n
         coef = clip_coefficient(norm, cfg.max_grad_norm)
-        if coef < 1.0:
-            grad.mul_(coef)
-        proposal = propose_step(state, grad, lr, ctx.spec)
-        finite = torch.isfinite(proposal.master).all().logical_not().to(torch.float64).reshape(1)
-        if rep.agree(finite)[0] > 0:
-            return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite parameters after the update")
-        state.install(proposal)
+        fits = self._step_in_place(state, part, n, coef, lr, ctx.spec, can_fuse(ctx.spec, part, state))
+        if rep.agree(small_vector([float(not fits)], part.device))[0] > 0:
+            raise NonFiniteGradientError(
+                f"inner step {step_index + 1} on the node of rank {ctx.comm.rank} gave non-finite parameters from a "
+                "finite gradient: the parameters were already near the float32 limit; lower the learning "
+                "rate or add weight decay, and restart from the last checkpoint")
         self.install(ctx, state.master)
         return InnerStep(lr, norm, loss_sum / n, False)
 
     def install(self, ctx: RoundContext, values: torch.Tensor) -> None:
         """The replica's parameters ``values`` (this rank's own: the whole buffer, or its slice of
-        the node's) into the model's buffer."""
+        the node's, or its local shards) into the model's buffer."""
+        if self.sharded:
+            ctx.flat.install(values)  # FSDP2's local shards: no collective
+            return
         if self.replica is not None:
             self.replica.install(values, ctx.flat.data)
             return
@@ -256,12 +271,28 @@ class LocalStepStrategy(Strategy):
 
     def whole_theta_sync(self, ctx: RoundContext) -> torch.Tensor:
         """theta_sync as the whole padded buffer (fp32). A node replica gathers its ranks' slices:
-        every rank of the node calls this together, on the compute side."""
+        every rank of the node calls this together, on the compute side. A sharded model: the
+        trainable parameters' whole values in order, unpadded (FSDP2's cut gathered in the node)."""
+        if self.sharded:
+            return self._gather_local_shards(ctx, self.place.to_wire(self.theta_sync))
         if self.replica is None:
             return self.theta_sync
         out = torch.empty(ctx.flat.padded, dtype=torch.float32, device=self.theta_sync.device)
         self.replica.install(self.theta_sync, out)
         return out
+
+    @staticmethod
+    def _gather_local_shards(ctx: RoundContext, local: torch.Tensor) -> torch.Tensor:
+        """The whole values of a local buffer laid out as ctx.flat's local shards (a node collective
+        per parameter, through DTensor)."""
+        from torch.distributed.tensor import DTensor
+
+        flat, whole = ctx.flat, []
+        for p, shape, (a, b) in zip(flat.params, flat.shapes, flat.offsets):
+            part = DTensor.from_local(local[a:b].view(shape), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+            whole.append(part.full_tensor().reshape(-1))
+        return torch.cat(whole)
 
     def agree_exhausted(self, exhausted: bool) -> bool:
         """Whether this replica's data ran out: a node replica stops when any of its ranks' did
@@ -272,7 +303,8 @@ class LocalStepStrategy(Strategy):
             self._exhausted = torch.zeros(1, dtype=torch.float64, device=self.theta_sync.device)
         return self.replica.agree(self._exhausted.fill_(float(exhausted)))[0] > 0
 
-    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec) -> bool:
+    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec,
+                       fused: bool = True) -> bool:
         """The fused AdamW step written over the state, in pieces sharing one small scratch: no
         second copy of the full-size inner state. Skipping without a trace needs no copy either:
         a gradient whose fp32 squares are finite gives finite moments and a bounded AdamW update
@@ -282,7 +314,15 @@ class LocalStepStrategy(Strategy):
         if self._scratch is None or self._scratch.device != grad_sum.device:
             self._scratch = torch.empty(min(n, piece), dtype=torch.float32, device=grad_sum.device)
         for a in range(0, n, piece):
-            propose_slice(state, grad_sum, count, coef, lr, spec, state, a, min(n, a + piece), self._scratch, True)
+            b = min(n, a + piece)
+            if fused or grad_sum.dtype == torch.float32:
+                propose_slice(state, grad_sum, count, coef, lr, spec, state, a, b, self._scratch, fused)
+                continue
+            # a low-precision gradient (a sharded bf16 model's): each piece in fp32 before it is divided
+            view = ShardState(*(t[a:b] if t is not None and t.numel() == n else t
+                                for t in (state.master, state.exp_avg, state.exp_avg_sq)), state.step)
+            propose_slice(view, grad_sum[a:b].to(torch.float32), count, coef, lr, spec, view, 0, b - a,
+                          self._scratch, False)
         state.step += 1
         return math.isfinite(float(torch.dot(state.master, state.master))) or bool(torch.isfinite(state.master).all())
 
@@ -308,10 +348,10 @@ class LocalStepStrategy(Strategy):
         theta_w as the round's input, and start a new period."""
         master = ctx.shard_state.master
         if self.unmerged:
-            merge_delayed(master, self.theta_sync, self.submitted)
+            self.place.merge(master, self.theta_sync, self.submitted)
             self.install(ctx, master)
             self.unmerged = False
-        self.submitted.copy_(master)
+        self.place.copy(self.submitted, master)  # on the CPU: theta_w to the host, in pieces
         self.sending, self.period = self.period, PeriodTotals()
         self.done = stopping and self.cfg.outer_period_s is not None
         if self.plan.overlap:
@@ -325,8 +365,9 @@ class LocalStepStrategy(Strategy):
         if self.plan.overlap:
             self.unmerged = True
         else:
-            ctx.shard_state.master.copy_(self.theta_sync)
-            self.install(ctx, self.theta_sync)
+            master = ctx.shard_state.master
+            self.place.copy(master, self.theta_sync)  # on the CPU: back from the host, in pieces
+            self.install(ctx, master)
             self.period_start = time.perf_counter()
         return bool(self.last is not None and self.last.done_ranks)
 
@@ -343,7 +384,7 @@ class LocalStepStrategy(Strategy):
         own = [comm] if self.replica is None else [comm, self.replica.rail, self.replica.outer_node]
         before = sum(c.sent for c in own)  # the compute thread's inner steps may send meanwhile
         delta = pseudo_gradient(self.theta_sync, self.submitted)
-        totals = self._agree(ctx, req, nonfinite_flag(delta))
+        totals = self._agree(ctx, req, self.place.to_wire(nonfinite_flag(delta)))
         self.last = totals
         skipped, reason = bool(totals.bad_ranks), "non-finite pseudo-gradient from"
         shares, outer_ctx = totals.shares, ctx

@@ -1,5 +1,7 @@
 """A node as one replica of a local-step strategy (diloco, sparseloco; docs/nodes.md,
-"diloco and sparseloco: a node as one replica").
+"diloco and sparseloco: a node as one replica"). With the model sharded inside the node
+(model_sharding="node") the same groups and agreements serve, but FSDP2 does the node's gradient
+sum and each rank's slice is its local shards (engine/strategies/local_steps.py).
 
 With the two-level layout (M nodes of G ranks), the G ranks of a node take every inner step
 together: the node's fp32 sum of their gradients is reduce-scattered inside the node, each rank
@@ -103,13 +105,25 @@ class NodeReplica:
         return [s / total if total else 0.0 for s in per_node]
 
 
+def squares(part: torch.Tensor, piece: int = 1 << 22) -> torch.Tensor:
+    """The sum of squares of ``part`` in fp32 (a 0-d device tensor); a low-precision ``part`` (a
+    sharded bf16 model's gradient) is cast a piece at a time, not whole."""
+    if part.dtype == torch.float32:
+        return torch.dot(part, part)
+    total = torch.zeros((), dtype=torch.float32, device=part.device)
+    for a in range(0, part.numel(), piece):
+        p = part[a:a + piece].to(torch.float32)
+        total += torch.dot(p, p)
+    return total
+
+
 def inner_totals(replica: NodeReplica, part: torch.Tensor, count: int, samples: int, loss_sum,
                  grad_sum: torch.Tensor, due: bool) -> tuple[int, int, float, float, bool, bool]:
     """The node's (micro-batches, samples, loss sum, squared norm of its summed gradient, whether
     any rank's gradient was not finite, whether any rank's outer period elapsed): one small
     all-reduce, one host read."""
     # this rank's slice's squares: the node's norm adds up
-    small = small_vector([count, samples, loss_sum, torch.dot(part, part), nonfinite_flag(grad_sum), float(due)],
+    small = small_vector([count, samples, loss_sum, squares(part), nonfinite_flag(grad_sum), float(due)],
                          part.device)
     got = replica.agree(small)
     sq = got[3]

@@ -78,6 +78,10 @@ class SparseLoCo(LocalStepStrategy):
         shapes = [tuple(p.shape) for p in ctx.flat.params]
         per_tensor = [name for name, on in (("topk_layout='tensor'", cfg.topk_layout == "tensor"),
                                             ("sparse_clip='median'", cfg.sparse_clip == "median")) if on]
+        if per_tensor and self.sharded:  # FSDP2's local shards are rows of each tensor, not whole tensors
+            raise ValueError(f"{' and '.join(per_tensor)} work on whole tensors, and with model_sharding='node' each "
+                             "rank holds its local rows of every tensor: set topk_layout='flat' and "
+                             "sparse_clip='none', or model_sharding='none'")
         if per_tensor and numel != ctx.flat.padded:  # a node replica's slice cuts across tensors
             raise ValueError(f"{' and '.join(per_tensor)} work on whole tensors, and with node replicas each rank "
                              "holds a slice of the buffer: set topology='flat'")
@@ -93,8 +97,10 @@ class SparseLoCo(LocalStepStrategy):
         # the error is finite: the round agreed every Delta_w was, and a non-finite theta_sync is refused
         payload, sent = self.codec.encode_with_decoded(self.error, check_finite=False)
         self.error.sub_(sent)  # what was not sent stays for later rounds
+        payload = self.place.to_wire(payload)  # the collectives take the compute device's tensors (outer_state.py)
         gathered = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
         comm.all_gather(payload, gathered)
+        gathered = self.place.from_wire(gathered)
         combined = aggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel, cfg.sparse_aggregate,
                              self.clip)
         new = sparse_outer_step(self.theta_sync, combined, cfg.outer_lr)
