@@ -6,7 +6,8 @@ docs/planning.md, "The decision rule").
 Its candidates: the strategies the rule may choose (AdamW's update, or AdamW's one step late with
 its correction: never a local-step method, 1-bit Adam or dpu), with no codec, LoCo-4 gradients, and
 LoCo-4 with int8 or int4 parameter deltas (a codec or parameter codec the caller set is kept), on
-the exchange the config's topology resolves to and with its model sharding. Each is priced by the
+the exchange the config's topology resolves to, with its model sharding and optimizer placement
+(``optimizer_offload``). Each is priced by the
 planner's time model from the measured link rate and the measured compute of a synthetic
 micro-batch, and its loss per sample (or samples to AdamW's loss) comes from the measured
 evidence of the results folder (``auto_results``, default ./docs/results where it exists), at the
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,9 +69,10 @@ class AutoChoice:
 def auto_modes(cfg, layout) -> list:
     """The modes strategy="auto" may run under ``cfg`` on ``layout``: the decision's strategies
     with the codec variants the config leaves open (a codec the planner's table does not list:
-    as given), on the exchange its topology resolves to and with its model sharding."""
+    as given), on the exchange its topology resolves to, with its model sharding and optimizer
+    placement."""
     from .planner.decide import runnable
-    from .planner.modes import CODEC_VARIANTS, Mode, candidates
+    from .planner.modes import CODEC_VARIANTS, candidates
 
     codecs = [(c, p) for c, p in CODEC_VARIANTS
               if (cfg.codec == "none" or c == cfg.codec) and (cfg.param_codec == "auto" or p == cfg.param_codec)]
@@ -78,8 +80,8 @@ def auto_modes(cfg, layout) -> list:
     strategies = candidate_strategies()
     bases = [m for m in candidates(two_level=layout.ranks_per_node > 1)
              if not m.is_ddp and m.strategy in strategies and (m.codec, m.param_codec) == ("none", "auto")
-             and runnable(m, layout, cfg.topology, cfg.model_sharding)]
-    return [Mode(m.strategy, c, p, exchange=m.exchange, sharding=m.sharding) for m in bases for c, p in codecs]
+             and runnable(m, layout, cfg.topology, cfg.model_sharding, cfg.optimizer_offload)]
+    return [replace(m, codec=c, param_codec=p) for m in bases for c, p in codecs]
 
 
 def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | None, batch=None,

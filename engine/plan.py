@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at >= 2 nodes of >= 2 ranks)")
     d.add_argument("--model-sharding", choices=("any", "none", "node"), default="any",
                    help="the run's model_sharding: any = the recommendation may take either")
+    d.add_argument("--optimizer-offload", choices=("any", "none", "cpu"), default="any",
+                   help="the run's optimizer_offload: any = the recommendation may take either")
     ap.add_argument("--flat-only", action="store_true", help="leave the two-level exchange (and node sharding) out")
     ap.add_argument("--results", type=Path, default=None,
                     help=f"the benchmark JSONs the measured losses come from (default: ./{DEFAULT_RESULTS})")
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
     plan = make_plan(shape, layout, hw, batch, ws, modes=candidates(two_level=False) if a.flat_only else None,
                      steps=a.steps, results=results, checkpointing=a.activation_checkpointing, goal=goal,
                      topology="flat" if a.flat_only else a.topology,
-                     model_sharding=None if a.model_sharding == "any" else a.model_sharding)
+                     model_sharding=None if a.model_sharding == "any" else a.model_sharding,
+                     optimizer_offload=None if a.optimizer_offload == "any" else a.optimizer_offload)
     if measured is not None and measured.rank != 0:
         return 0
     print(f"model: {shape.params / 1e9:.3g}B parameters ({shape.trainable / 1e9:.3g}B trained), {shape.layers} "

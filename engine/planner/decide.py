@@ -8,7 +8,8 @@ The rule, in order:
 1. the pool: the modes a run of the engine can take (never torch DDP, the reference), AdamW's update
    or AdamW's one step late with its correction (``auto_strategies``: never a local-step method, never
    1-bit Adam, never the uncorrected stale update, engine/auto.py ``STALE_UPDATES``), and that the run's layout
-   settings run (``runnable``: the exchange its topology resolves to, its model sharding);
+   settings run (``runnable``: the exchange its topology resolves to, its model sharding, where its
+   optimizer steps);
 2. measured: the figure the goal needs has qualifying rows of the mode's own (evidence.py: >= 3
    seeds of a benchmark JSON, >= 2 of the loss grid); a mode without them is shown "not measured"
    and never chosen;
@@ -40,18 +41,20 @@ def in_pool(mode: Mode) -> bool:
     return not mode.is_ddp and mode.strategy in candidate_strategies()
 
 
-def runnable(mode: Mode, layout: Layout, topology: str = "auto", model_sharding: str | None = None) -> bool:
-    """Whether a run on ``layout`` with these settings runs ``mode``'s exchange and sharding
-    (``model_sharding`` None: either; torch DDP: always, it is the reference)."""
+def runnable(mode: Mode, layout: Layout, topology: str = "auto", model_sharding: str | None = None,
+             optimizer_offload: str | None = None) -> bool:
+    """Whether a run on ``layout`` with these settings (EngineConfig's) runs ``mode``'s exchange,
+    model sharding and optimizer placement (None: either; torch DDP: always, it is the reference)."""
     if mode.is_ddp:
         return True
     exchange = exchange_for(topology, layout).replace("_", "-")
-    return mode.exchange == exchange and (model_sharding is None or mode.sharding == model_sharding)
+    return (mode.exchange == exchange and (model_sharding is None or mode.sharding == model_sharding)
+            and (optimizer_offload is None or mode.offload == optimizer_offload))
 
 
 def simplicity(m: Mode) -> tuple:
     lossy = (m.codec != "none") + (m.param_codec in ("int8", "int4"))
-    return (lossy, m.rounds, m.overlap, m.exchange != "flat", m.sharding != "none")
+    return (lossy, m.rounds, m.overlap, m.exchange != "flat", m.sharding != "none", m.offload != "none")
 
 
 @dataclass(frozen=True)

@@ -100,33 +100,35 @@ def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
 def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings | None = None,
               modes: list[Mode] | None = None, memory_limit: float | None = None, steps: int | None = None,
               results: Path | None = None, checkpointing: str = "auto", goal: Goal | None = None,
-              topology: str = "auto", model_sharding: str | None = None, label: str | None = None) -> Plan:
+              topology: str = "auto", model_sharding: str | None = None, optimizer_offload: str | None = None,
+              label: str | None = None) -> Plan:
     """``steps``: the planned run's optimizer steps (its length, steps x B samples, places it in the
     evidence); ``results``: the folder of the benchmark JSONs (docs/results; None: nothing
     measured, nothing recommended); ``memory_limit``: bytes per GPU (default: the hardware's; 0
     or None on hardware without one: not checked); ``goal``: what the recommendation optimizes
-    (goal.py; default: keep AdamW's loss per sample within 0.5%); ``topology`` and
-    ``model_sharding``: the run's layout settings the recommendation must run (as
-    EngineConfig's; model_sharding None: either)."""
+    (goal.py; default: keep AdamW's loss per sample within 0.5%); ``topology``,
+    ``model_sharding`` and ``optimizer_offload``: the run's settings the recommendation must run
+    (as EngineConfig's; None: either)."""
     ws = ws or WireSettings()
     goal = goal or Goal()
     modes = modes or candidates(two_level=layout.ranks_per_node > 1)
     limit = memory_limit if memory_limit is not None else hw.memory_bytes
     label = label or f"the {shape.params / 1e9:.3g}B run"
     rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label)
-    decision = decide(rows, goal, lambda m: _pool(m, layout, topology, model_sharding), label)
+    settings = (topology, model_sharding, optimizer_offload)
+    decision = decide(rows, goal, lambda m: _pool(m, layout, *settings), label)
     why = decision.why
-    if decision.choice is None and any(_pool(r.mode, layout, topology, model_sharding) and not r.fits for r in rows):
+    if decision.choice is None and any(_pool(r.mode, layout, *settings) and not r.fits for r in rows):
         why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing)
     soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), label,
                   list_faster=0)
     return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit or 0.0, goal)
 
 
-def _pool(m: Mode, layout: Layout, topology: str, model_sharding: str | None) -> bool:
+def _pool(m: Mode, layout: Layout, topology: str, model_sharding: str | None, optimizer_offload: str | None) -> bool:
     from .decide import in_pool
 
-    return in_pool(m) and runnable(m, layout, topology, model_sharding)
+    return in_pool(m) and runnable(m, layout, topology, model_sharding, optimizer_offload)
 
 
 def _soonest_why(soon) -> str:

@@ -27,27 +27,32 @@ BF16 = WireSettings(compute_bytes=2)
 GRID = [(model, nodes, link) for model in ("1b", "8b", "70b") for nodes in (2, 8, 64) for link in (1, 10, 100)]
 
 
-def _both(model, nodes, link, goal, sharding):
+SETTINGS = [("none", "none"), ("node", "none"), ("node", "cpu")]  # (model_sharding, optimizer_offload)
+
+
+def _both(model, nodes, link, goal, sharding, offload):
     shape, layout, hw = PRESETS[model], Layout(nodes, 8), gpu(link, mfu=MFU)
     batch = Batch(GLOBAL_BATCH, MICRO_BATCH)
-    plan = make_plan(shape, layout, hw, batch, BF16, results=RESULTS, goal=goal, model_sharding=sharding)
+    plan = make_plan(shape, layout, hw, batch, BF16, results=RESULTS, goal=goal, model_sharding=sharding,
+                     optimizer_offload=offload)
     cfg = EngineConfig(strategy="auto", auto_goal=goal.kind, auto_loss_bound_pct=goal.loss_bound_pct,
-                       model_sharding=sharding, global_micro_batches=GLOBAL_BATCH)
+                       model_sharding=sharding, optimizer_offload=offload, global_micro_batches=GLOBAL_BATCH)
     choice, decision, _ = decide_auto(cfg, shape, layout, hw, BF16, RESULTS, None, batch=batch)
     return plan, choice, decision
 
 
-@pytest.mark.parametrize("goal", [Goal("loss_per_sample"), Goal("time_to_loss")], ids=lambda g: g.kind)
-def test_auto_and_the_planner_agree_over_the_projection_grid(goal):
-    """benchmarks/projections.py's 27 rows (1B/8B/70B, 2/8/64 nodes of 8, 1/10/100 Gbit/s), the model
-    not sharded and sharded over the node: the same choice, or neither chooses."""
+def test_auto_and_the_planner_agree_over_the_projection_grid():
+    """benchmarks/projections.py's 27 rows (1B/8B/70B, 2/8/64 nodes of 8, 1/10/100 Gbit/s), for both
+    goals, with the model not sharded, sharded over the node, and sharded with the optimizer on the
+    CPU (in turn, so that each goal meets each setting on 9 rows): the same choice, or neither chooses."""
     picked = set()
-    for model, nodes, link in GRID:
-        for sharding in ("none", "node"):
-            plan, choice, decision = _both(model, nodes, link, goal, sharding)
+    for i, (model, nodes, link) in enumerate(GRID):
+        for j, goal in enumerate((Goal("loss_per_sample"), Goal("time_to_loss"))):
+            sharding, offload = SETTINGS[(i + j) % len(SETTINGS)]
+            plan, choice, decision = _both(model, nodes, link, goal, sharding, offload)
             planned = plan.choice.mode if plan.choice else None
             auto = choice.mode if choice else None
-            assert planned == auto, (model, nodes, link, sharding, plan.why, decision.why)
+            assert planned == auto, (model, nodes, link, goal.kind, sharding, offload, plan.why, decision.why)
             picked.add(planned)
     assert len(picked - {None}) >= 2, picked  # the grid exercises more than one answer
 
