@@ -40,11 +40,14 @@ GOALS = (Goal("loss_per_sample"), Goal("time_to_loss"))
 
 
 def _choice_cell(row, loss: bool) -> str:
+    """The chosen mode with its speed-up (loss_per_sample) or predicted time to AdamW's loss
+    against DDP's (time_to_loss), and the measured figure it was chosen on with its evidence."""
     if row is None:
         return "nothing fits"
     est = row.loss if loss else row.factor
     figure = (f"{est.value:+.2f}%" if loss else f"{est.value:.2f}x samples") if est.measured else "reference"
-    return (f"{row.mode.name} ({row.speedup_vs_ddp:.2f}x, {100 * row.time.compute_utilisation:.0f}% compute"
+    speed = f"{row.speedup_vs_ddp:.2f}x" if loss else f"to loss {row.to_loss_vs_ddp:.2f}x"
+    return (f"{row.mode.name} ({speed}, {100 * row.time.compute_utilisation:.0f}% compute"
             + (", checkpointed" if row.checkpointing else "") + f"; {figure} [{est.evidence()}])")
 
 
@@ -69,9 +72,7 @@ def projection_table() -> str:
                     r = next(r for r in plan.rows if r.mode == m)
                     cells.append(f"{r.speedup_vs_ddp:.2f}x" + ("" if r.fits else "*"))
                 cells.append(_choice_cell(plan.choice, True))
-                t = plans[1].choice
-                cells.append(_choice_cell(t, False).replace("x, ", f"x; to loss {t.to_loss_vs_ddp:.2f}x, ", 1)
-                             if t is not None else "nothing fits")
+                cells.append(_choice_cell(plans[1].choice, False))
                 s = plan.soonest
                 cells.append(f"{s.mode.name} ({s.to_loss_vs_ddp:.2f}x; {s.factor.value:.2f}x samples "
                              f"[{s.factor.evidence()}])" if s is not None else "-")
