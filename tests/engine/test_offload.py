@@ -264,3 +264,40 @@ def test_the_planner_lists_offloaded_rows_with_host_bytes_and_host_time():
     assert 0.97 * host_step < added < 1.05 * host_step + 8 * shard / HOST_LINK.copy_Bps
     # one piece: nothing overlaps, the copies and the step add up
     assert offload_round_s(1e6, 1) == pytest.approx(8e6 / HOST_LINK.copy_Bps + 1e6 / HOST_LINK.step_values_per_s)
+
+
+@pytest.mark.parametrize("param_codec", ["auto", "int8"])
+def test_offloaded_overflowing_update_is_never_installed(param_codec):
+    """A finite step whose new values overflow (SGD with a huge lr): nothing is installed, and the
+    unchanged host master is gathered again through its device copy, at world 1."""
+    cfg = EngineConfig(strategy="acco", optimizer="sgd", momentum=0.0, lr=1e38, micro_batches=1,
+                       accumulation="fixed", max_steps=3, align=8, group_size=8, param_codec=param_codec,
+                       optimizer_offload="cpu")
+    engine = Engine(tiny_model(0), cfg, lambda m, b: 1e3 * mse_loss(m, b))  # gradients > 1
+    before = flat_params(engine.model), engine.shard_state.master.clone()
+    history = engine.fit(worker_stream(0, 50))
+    engine.close()
+    assert [h["skipped"] for h in history] == [True] * 3
+    assert torch.equal(before[0], flat_params(engine.model)) and torch.equal(before[1], engine.shard_state.master)
+    assert engine.shard_state.step == 0
+
+
+def test_offloaded_nan_gradient_skips_as_without_offload():
+    """A NaN in one micro-batch skips its step with the optimizer on the CPU as without it: the
+    same parameters and Adam counter after every step (acco + loco4, world 1)."""
+    from tests.engine.test_nonfinite import nan_on
+
+    got = {}
+    for offload in ("none", "cpu"):
+        cfg = EngineConfig(strategy="acco", codec="loco4", micro_batches=2, accumulation="fixed", max_steps=4,
+                           lr=1e-2, align=8, group_size=8, optimizer_offload=offload)
+        engine = Engine(tiny_model(0), cfg, nan_on(0, 0, 5))
+        stream, snaps = iter(worker_stream(0, 100)), []
+        for _ in range(4):
+            engine.fit(stream, steps=1)
+            snaps.append(flat_params(engine.model))
+        got[offload] = snaps, engine.shard_state.step, [h["skipped"] for h in engine.history]
+        engine.close()
+    assert got["cpu"][2] == got["none"][2] and any(got["cpu"][2])
+    assert got["cpu"][1] == got["none"][1]
+    assert all(torch.equal(a, b) for a, b in zip(got["cpu"][0], got["none"][0]))
