@@ -433,12 +433,16 @@ def export_model(cfg: FinetuneConfig, model, tokenizer, path: Path, main: bool) 
         save_pretrained_plain(model, tokenizer, path, state_dict=state)
 
 
-def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def write_memory(engine: Engine, path: Path, group, main: bool, peak_rss_at_start: int | None = None) -> None:
     """OUT/memory.json: per rank, what it holds after training (engine/runtime/memory_accounting.py:
     the unique tensor storages of the model and the engine, by category), its resident memory now
     and at its peak, and on a GPU the allocator's peak. Every rank calls it (one gather)."""
-    import resource
-
     from engine.runtime.memory_accounting import held_bytes
 
     mine = {"held_bytes": held_bytes(engine.model, engine.ctx, engine.strategy),
@@ -448,7 +452,8 @@ def write_memory(engine: Engine, path: Path, group, main: bool) -> None:
             "weights_largest_read": engine.weights.largest_read if engine.weights is not None else None,
             "rss_bytes": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             if Path("/proc/self/statm").is_file() else None,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "peak_rss_bytes": _peak_rss_bytes(),
+            "peak_rss_at_start_bytes": peak_rss_at_start,  # after the model load and the engine's start
             "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else None}
     every = gather(mine, group)
     if main:
@@ -778,6 +783,7 @@ def run(cfg: FinetuneConfig) -> None:
     os.replace(written, out / "config.json")
     accelerator.wait_for_everyone()
     engine, offset_s, samples_total = start_engine(cfg, model, ecfg, out, main, say)
+    peak_rss_at_start = _peak_rss_bytes()  # the model loaded and the engine built, before any step
     say(describe_strategy(cfg, engine))
     if engine.step >= cfg.max_steps:
         say(f"the checkpoint is at step {engine.step} >= --max-steps {cfg.max_steps}: nothing to train")
@@ -794,7 +800,7 @@ def run(cfg: FinetuneConfig) -> None:
     # final engine checkpoint (unless checkpoint_every just wrote it) and the plain model
     if not (ckpt_root / f"step-{engine.step:08d}" / "engine.json").is_file():
         engine.saver.save(str(ckpt_root))
-    write_memory(engine, out / "memory.json", group, main)
+    write_memory(engine, out / "memory.json", group, main, peak_rss_at_start)
     engine.close()
     export_model(cfg, model, tokenizer, out / "model", main)
     if main:

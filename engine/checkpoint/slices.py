@@ -48,7 +48,7 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, Path]:
         from safetensors import safe_open
 
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return dict.fromkeys(f.keys(), single)
     other = [name for name in OTHER_FORMATS if (root / name).is_file()]
     if other:
         raise ValueError(f"{root} holds {other[0]}, not safetensors: reading a rank's slices needs safetensors. "
@@ -71,7 +71,7 @@ class SliceReader:
         self._open = {file: self._stack.enter_context(safe_open(str(file), framework="pt"))
                       for file in sorted(set(self.files.values()))}
 
-    def __enter__(self) -> "SliceReader":
+    def __enter__(self) -> SliceReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -103,10 +103,13 @@ def match_checkpoint(model: torch.nn.Module, reader: SliceReader) -> CheckpointM
             recompute.append(name)
     unexpected = [n for n in reader.names() if n not in known]
     if missing or unexpected:
-        parts = ([f"missing {missing[0]!r} ({len(missing)} parameter(s) or persistent buffer(s) of the model "
-                  "are not in it)"] if missing else []) + \
-                ([f"unexpected {unexpected[0]!r} ({len(unexpected)} tensor(s) in it that the model does not have)"]
-                 if unexpected else [])
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[0]!r} ({len(missing)} parameter(s) or persistent buffer(s) of the "
+                         "model are not in it)")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[0]!r} ({len(unexpected)} tensor(s) in it that the model does "
+                         "not have)")
         raise ValueError(f"{reader.folder} does not match the model: {'; '.join(parts)}. Build the model from the "
                          "folder's own config.json (AutoConfig.from_pretrained(folder)), or pass the folder this "
                          "model was saved to")

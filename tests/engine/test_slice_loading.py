@@ -148,9 +148,9 @@ def _node_sharded(rank: int, world: int, folder: str, g: int):
                 out["mismatch"].append(name)
         out["read"], out["held"] = engine.weights.bytes_read, engine.weights.held_bytes
         out["largest_read"] = engine.weights.largest_read
-        out["expected_read"] = sum(
-            (lambda r: (r[1] - r[0]) * (p.numel() // p.shape[0]) * 4)(row_range(p.shape[0], g, local))
-            for p in eager.values())
+        ranges = {name: row_range(p.shape[0], g, local) for name, p in eager.items()}
+        out["expected_read"] = sum((stop - start) * (eager[name].numel() // eager[name].shape[0]) * 4
+                                   for name, (start, stop) in ranges.items())
         sliced = _train(engine, rank)
         out["losses"][strategy] = (sliced, _train(Engine(eager_model(folder), config(strategy, "node",
                                                                                       topology="two_level")), rank))
@@ -227,7 +227,7 @@ def _recipe(args: list[str]) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC),
                           "--main_process_port", str(_free_port()), str(RECIPE), *args],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return run.stdout + run.stderr
 
