@@ -86,13 +86,13 @@ def evidence_table() -> str:
     by: dict[str, list] = {}
     for p in all_points(RESULTS):
         by.setdefault(p.bench.split("@")[0] + (" (two-level)" if p.key.endswith("|two-level") else ""), []).append(p)
-    lines = ["| mode (benchmark name) | qualifying rows: B, samples, loss vs DDP (seeds; JSON) | B and length "
-             "reached | rows with too few seeds |", "|---|---|---|---|"]
+    lines = [("| mode (benchmark name) | qualifying rows: B, samples, loss vs DDP (seeds; JSON) | B and length "
+              "reached | rows with too few seeds |"), "|---|---|---|---|"]
     for name, ps in by.items():
         good = sorted((p for p in ps if p.qualifies), key=lambda p: (p.global_batch, p.samples))
         bad = [p for p in ps if not p.qualifies]
-        reach = (f"B {max(p.global_batch for p in good)}, {max(p.samples for p in good if p.global_batch == max(q.global_batch for q in good)):.0f}"
-                 if good else "not measured")
+        top = max(good, key=lambda p: (p.global_batch, p.samples), default=None)
+        reach = f"B {top.global_batch}, {top.samples:.0f}" if top else "not measured"
         lines.append(f"| {name} | " + ("; ".join(f"B {p.global_batch}, {p.samples:.0f}: {p.gap_pct:+.2f}% "
                                                  f"({len(p.seeds)}; {p.source})" for p in good) or "-")
                      + f" | {reach} | " + (", ".join(f"{p.source} ({len(p.seeds)})" for p in bad) or "-") + " |")

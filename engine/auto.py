@@ -113,7 +113,7 @@ def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | N
         b = batch if batch is not None else Batch(per_step, 1)
         got, _ = plan_rows(shape, layout, hw, b, ws, ms, hw.memory_bytes, steps, results, "auto", label)
         rows += [r for r in got if not r.mode.is_ddp]
-    decision = decide(rows, goal, label=label)
+    decision = decide(rows, goal)
     return decision.choice, decision, rows
 
 

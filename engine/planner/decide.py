@@ -22,8 +22,8 @@ The rule, in order:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.parallel.topology import Layout, exchange_for
 
@@ -88,7 +88,7 @@ def _figure(row, goal: Goal):
     return row.factor if goal.kind == "time_to_loss" else row.loss
 
 
-def loss_text(row, label: str = "the run") -> str:
+def loss_text(row) -> str:
     """The row's loss per sample with the B and length of its evidence, its sources and where the
     run lies outside them."""
     est = row.loss
@@ -123,7 +123,7 @@ def _rejection(row, goal: Goal) -> str | None:
     return None
 
 
-def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool, label: str = "the run",
+def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool,
            list_faster: int = MAX_LEFT_OUT) -> Decision:
     """The rule of the module over ``rows`` (recommend.PlanRow: time, samples per step, fits, loss
     and factor estimates); the reasons name up to ``list_faster`` faster modes it left out, and why."""
@@ -157,7 +157,8 @@ def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool, label
                   + (" (activation checkpointing: needed to fit)" if choice.checkpointing else "") + ". ")
     if goal.kind == "time_to_loss":
         why += f"Predicted time to AdamW's loss {choice.to_loss_vs_ddp:.2f}x torch DDP's; {factor_text(choice)}. "
-    why += loss_text(choice, label)[0].upper() + loss_text(choice, label)[1:] + ". "
+    text = loss_text(choice)
+    why += text[0].upper() + text[1:] + ". "
     if len(near) > 1:
         why += f"{len(near) - 1} other mode(s) within {TIE:.0%}: the one with the fewest lossy codecs and rounds. "
     faster = sorted((r for r in pool_rows if r is not choice and _rejection(r, goal) is not None

@@ -32,11 +32,17 @@ import math
 import re
 import statistics
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from .modes import Mode
-from .quality import bench_mode, first_crossing, results_doc, run_factor, scored_like_ddp
+from .quality import (
+    bench_mode,
+    first_crossing,
+    results_doc,
+    run_factor,
+    scored_like_ddp,
+)
 
 RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds.json",
                 "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
@@ -93,9 +99,9 @@ class Point:
 
 
 def _workload(cfg: dict) -> str:
-    model = cfg.get("model") or "tiny-gpt2"
-    shape = f"{cfg.get('n_layer')}x{cfg.get('n_embd')}" if cfg.get("n_layer") else ""
-    return f"{model} {shape}, seq {cfg.get('seq_len')}, {cfg.get('workers')} workers".replace("  ", " ")
+    """The model, sequence length and workers a benchmark JSON ran (its config)."""
+    shape = f" {cfg['n_layer']}x{cfg.get('n_embd')}" if cfg.get("n_layer") else ""
+    return f"{cfg.get('model') or 'tiny-gpt2'}{shape}, seq {cfg.get('seq_len')}, {cfg.get('workers')} workers"
 
 
 def _bench_points(results: Path, name: str) -> list[Point]:
@@ -159,7 +165,7 @@ def _grid_points(results: Path, name: str) -> list[Point]:
         runs = {r["seed"]: r for r in doc["runs"] if r["mode"] == bench and _same_lr(r["lr"], s["best_lr"])}
         ref = {r["seed"]: r for r in doc["runs"] if r["mode"] == REFERENCE and _same_lr(r["lr"], ddp_best)}
         factors = [f[0] for k in seeds if k in runs and k in ref and (f := run_factor(runs[k], ref[k])) is not None]
-        out.append(Point(evidence_key(mode), bench, f"{GRID_DIR}/{name.rsplit('/', 1)[-1]}", "grid",
+        out.append(Point(evidence_key(mode), bench, name, "grid",
                          int(doc["global_batch"]), float(doc["samples"]), statistics.median(per_seed), seeds,
                          per_seed, statistics.median(factors) if factors else None, len(factors), None, workload))
     return out
@@ -169,7 +175,7 @@ def _same_lr(a: float, b: float) -> bool:
     return float(f"{a:.6g}") == float(f"{b:.6g}")
 
 
-@lru_cache(maxsize=None)  # the JSONs do not change under a process
+@cache  # the JSONs do not change under a process
 def all_points(results: Path | None, files: tuple[str, ...] = RESULT_FILES) -> tuple[Point, ...]:
     """Every point of the results folder: the benchmark JSONs' rows, then the grid's, each row
     once (merged JSONs repeat rows: the same mode, gap, length and seeds count once)."""
@@ -333,17 +339,3 @@ def warmup_fraction(est: Estimate) -> float | None:
     """1-bit Adam's warmup share of DDP's steps to the loss, median over the points used."""
     w = [p.warmup_fraction for p in est.basis if p.warmup_fraction is not None]
     return statistics.median(w) if w else None
-
-
-def evidence_summary(results: Path | None) -> list[str]:
-    """One line per mode with points: where its evidence reaches, which points qualify."""
-    by: dict[str, list[Point]] = {}
-    for p in all_points(results):
-        by.setdefault(p.key, []).append(p)
-    out = []
-    for key, ps in by.items():
-        good = [p for p in ps if p.qualifies]
-        out.append(f"{ps[0].bench}: " + (", ".join(f"B {p.global_batch}/{p.samples:.0f} {p.gap_pct:+.2f}% "
-                                                   f"({len(p.seeds)} seeds)" for p in good) or "none qualifies")
-                   + (f"; too few seeds: {len(ps) - len(good)} row(s)" if len(good) < len(ps) else ""))
-    return out

@@ -10,7 +10,7 @@ rule with the goal ``time_to_loss``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .advice import what_would_fit
@@ -60,7 +60,7 @@ class Plan:
     soonest: PlanRow | None = None  # the first to AdamW's loss in wall-clock time (any measured mode)
     why_soonest: str = ""
     memory_limit: float = 0.0  # bytes per GPU the rows were checked against (0: none)
-    goal: Goal = Goal()
+    goal: Goal = field(default_factory=Goal)
 
 
 def reference_mode(ws: WireSettings) -> Mode:
@@ -116,12 +116,11 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     label = label or f"the {shape.params / 1e9:.3g}B run"
     rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label)
     settings = (topology, model_sharding, optimizer_offload)
-    decision = decide(rows, goal, lambda m: _pool(m, layout, *settings), label)
+    decision = decide(rows, goal, lambda m: _pool(m, layout, *settings))
     why = decision.why
     if decision.choice is None and any(_pool(r.mode, layout, *settings) and not r.fits for r in rows):
         why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing)
-    soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), label,
-                  list_faster=0)
+    soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), list_faster=0)
     return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit or 0.0, goal)
 
 

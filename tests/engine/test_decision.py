@@ -8,12 +8,18 @@ import json
 
 import pytest
 
-from benchmarks.projections import GLOBAL_BATCH, MFU, MICRO_BATCH
 from benchmarks.plan_validate import RESULTS
+from benchmarks.projections import GLOBAL_BATCH, MFU, MICRO_BATCH
 from engine import EngineConfig
 from engine.auto import auto_modes, decide_auto
 from engine.parallel.topology import Layout
-from engine.planner.evidence import Point, all_points, estimate, evidence_key, interpolate
+from engine.planner.evidence import (
+    Point,
+    all_points,
+    estimate,
+    evidence_key,
+    interpolate,
+)
 from engine.planner.goal import Goal
 from engine.planner.hardware import gpu
 from engine.planner.modes import Mode
