@@ -46,7 +46,9 @@ optimizer, g = codec group, G = ranks per node:
     whole             37 + 4/N fp32, 33 + 4/N bf16 with bf16 gradient buffers, 2 (e_g - e) more with
                       fp32 ones (after the freeze: m, v_T, e_w whole)
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
-                      two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G
+                      two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
+                      model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
+                      (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device
 Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node sharding."""
 
 from __future__ import annotations
@@ -257,11 +259,39 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, (per - 4 * e) * pt)
 
 
+# an outer round's temporaries per value of the outer state, by the round's kind (its spec's
+# ``outer_cost``), measured on the torch path by tests/engine/test_local_steps_sharded.py (2 x 2, fp32):
+# the pseudo-gradient, the exchange's rows and result and the outer step's proposal (momentum SGD);
+# the error's encode and decode (error feedback + top-k). And whether the exchange's wire rows are
+# as long as the outer state (an averaging all-to-all: they stay on the device with the state on the CPU)
+OUTER_TEMP = {"outer_sgd_s_per_param": (23.0, True), "outer_topk_s_per_param": (36.25, False)}
+
+
 def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     e = ws.compute_bytes
     pt, frozen = shape.trainable, shape.params - shape.trainable
+    if mode.sharding == "node":
+        return local_node_sharded(mode, shape, layout, ws)
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
     return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share, 12 * pt / share)
+
+
+def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
+    """A local-step strategy on a model sharded over the node (engine/strategies/local_steps.py):
+    per rank, V = P/G values, its FSDP2 local shards: e V parameters and one gradient buffer of e V
+    (FSDP2's unsharded blocks besides), the inner AdamW state 12 V, the outer state 12 V
+    (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
+    (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
+    bytes; the device keeps the exchange's wire rows (an averaging all-to-all's: 2 w V, w the
+    pseudo-gradient's bytes; top-k payloads are a few percent of V)."""
+    e, g = ws.compute_bytes, layout.ranks_per_node
+    v, frozen = shape.trainable / g, (shape.params - shape.trainable) / g
+    per_value, whole_rows = OUTER_TEMP.get(mode.spec.outer_cost, max(OUTER_TEMP.values()))
+    outer, temps, host = 12 * v, per_value * v, 0.0
+    if mode.outer_state == "cpu":
+        host, outer = outer + temps, 0.0
+        temps = 2 * ws.pseudo_grad_bytes * v if whole_rows else 0.0
+    return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, 12 * v, outer, temps, host)
 
 
 FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local}
