@@ -38,6 +38,7 @@ class Mode:
     outer_overlap: bool = False  # local-step strategies: the round travels behind the next H steps
     sharding: str = "none"  # model_sharding: none | node (FSDP2 over the node's ranks; two-level only)
     offload: str = "none"  # optimizer_offload: none | cpu (the shard optimizer's state and step on the host)
+    outer_state: str = "device"  # local-step strategies: outer_state_device, device | cpu
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -85,6 +86,7 @@ class Mode:
         name = "+".join(parts)
         tags = (["2-level"] if self.exchange == "two-level" else []) + (["node-sharded"] if self.sharding == "node" else [])
         tags += ["optimizer on CPU"] if self.offload == "cpu" else []
+        tags += ["outer state on CPU"] if self.outer_state == "cpu" else []
         return name + (f" [{', '.join(tags)}]" if tags else "")
 
     def engine_settings(self) -> dict:
@@ -94,6 +96,8 @@ class Mode:
         out = {"strategy": self.strategy, "codec": self.codec, "param_codec": self.param_codec}
         if self.local_steps:
             out.update(inner_steps=self.inner_steps, outer_overlap=self.outer_overlap)
+            if self.outer_state != "device":
+                out.update(outer_state_device=self.outer_state)
         if self.exchange == "two-level":
             out.update(topology="two_level")
         if self.sharding != "none":
@@ -126,6 +130,8 @@ def candidates(two_level: bool = True, node_sharding: bool | None = None, offloa
                 sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
                 if offload and getattr(cls, "offload_refused", "no") is None:
                     offloaded += [replace(m, exchange="two-level", sharding="node", offload="cpu") for m in variants]
+                if offload and spec.local_steps:  # the outer state on the CPU, as INTELLECT-1 keeps it
+                    offloaded += [replace(m, exchange="two-level", sharding="node", outer_state="cpu") for m in variants]
     return out + two + sharded + offloaded
 
 

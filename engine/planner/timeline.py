@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from engine.strategies.spec import resolve_step_copy
 
-from .hardware import Hardware
+from .hardware import TESTBED_CONSTANTS, Hardware
 from .modes import Mode
 from .shape import ModelShape
 from .wire import ALIGN, Layout, StepBytes, WireSettings, padded, step_bytes
@@ -183,7 +183,11 @@ def _ddp(mode, shape, layout, hw, batch, b, t_c, t_c_eff, transport) -> StepTime
 def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport) -> StepTime:
     g, h = layout.ranks_per_node, mode.inner_steps
     two_level = mode.exchange == "two-level" and g > 1
-    if two_level:  # the node's ranks take each inner step together: a sharded round at full precision
+    sharded = two_level and mode.sharding == "node"  # FSDP2 summed the node's gradients (in t_c_eff)
+    if sharded:  # each rank steps its local shards: no node round of the engine's
+        inner_work = hw.shard_opt_s_per_param * padded(numel, g, ALIGN) / g
+        inner = t_c_eff + inner_work
+    elif two_level:  # the node's ranks take each inner step together: a sharded round at full precision
         shard = padded(numel, g, ALIGN) / g
         inner_work = hw.round_s_per_param * numel + hw.shard_opt_s_per_param * shard
         inner = t_c_eff + inner_work + hw.intra_s(b.round_intra_rank)
@@ -192,6 +196,9 @@ def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport) -> StepTime:
         inner = t_c_eff + inner_work
     slice_ = -(-numel // g) if two_level else numel
     outer_work = getattr(hw, mode.spec.outer_cost) * slice_ + transport * h
+    if mode.outer_state == "cpu":  # outer_state_device='cpu': theta_w to the host and theta_sync back, and
+        # the outer step on a host core at the CPU testbed's measured rate (engine/strategies/outer_state.py)
+        outer_work = TESTBED_CONSTANTS[mode.spec.outer_cost] * slice_ + 2 * 4 * slice_ / HOST_LINK.copy_Bps + transport * h
     outer = outer_work + hw.wire_s(b.round_node_link)
     if mode.outer_overlap:
         shared = outer_work if hw.shares_core else 0.0
@@ -199,4 +206,4 @@ def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport) -> StepTime:
     else:
         step = inner + outer / h
     return StepTime(mode, step, t_c, inner_work + outer_work / h, hw.wire_s(b.round_node_link) / h,
-                    hw.intra_s(b.round_intra_rank) if two_level else 0.0, step - t_c, b)
+                    hw.intra_s(b.round_intra_rank) if two_level and not sharded else 0.0, step - t_c, b)
