@@ -95,6 +95,19 @@ def test_a_meta_model_loads_whole_equal_to_the_eager_one(tmp_path, kind):
     assert losses == _train(Engine(eager, config("zero1", "none")), 0)
 
 
+def test_one_rank_node_sharded_in_bf16_trains_as_the_eager_load(tmp_path):
+    """The node-sharded path at world 1 (FSDP2 over one rank): the fp32 master is taken from the
+    values as built (fp32) and the parameters cast to bf16 after, as in the eager load."""
+    folder = save_folder(tmp_path / "llama")
+    engine = Engine.from_pretrained(folder, config("zero1", "node", compute_dtype="bfloat16"))
+    params = list(engine.model.parameters())
+    assert {type(p).__name__ for p in params} == {"DTensor"} and {p.dtype for p in params} == {torch.bfloat16}
+    total, _ = file_bytes(folder)
+    assert engine.weights.bytes_read == total and engine.weights.held_bytes == total // 2  # bf16 storage
+    eager = Engine(eager_model(folder), config("zero1", "node", compute_dtype="bfloat16"))
+    assert _train(engine, 0) == _train(eager, 0)
+
+
 def test_refusals_name_the_problem(tmp_path):
     folder = save_folder(tmp_path / "llama")
     with pytest.raises(ValueError, match="meta device.*weights="):
@@ -122,6 +135,8 @@ def test_refusals_name_the_problem(tmp_path):
         Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=tmp_path / "nowhere")
     with pytest.raises(ValueError, match="strategy='auto'.*name the strategy"):
         Engine(causal_lm_on_meta(folder), config("auto", "node"), weights=folder)
+    with pytest.raises(ValueError, match="Engine.load needs the model with values"):
+        Engine.load(tmp_path / "no-checkpoint", causal_lm_on_meta(folder))
     with pytest.raises(ValueError, match="device= places a model built on the meta device"):
         Engine(eager_model(folder), config("zero1", "none"), device="cpu")
 
