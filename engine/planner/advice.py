@@ -1,14 +1,16 @@
 """When no mode fits the GPU's memory: what would, each computed with the same formulas as the
 plan's rows (engine/planner/memory.py, activations.py), never a canned list. Tried one change at
-a time, for the modes that keep AdamW's loss: activation checkpointing, model sharding over the
-node (FSDP2), a smaller micro-batch, more nodes of the same size."""
+a time, for the modes the decision rule could take (``keeps``: in make_plan, those with measured
+rows that meet the goal, engine/planner/decide.py): activation checkpointing, model sharding over
+the node (FSDP2), a smaller micro-batch, more nodes of the same size."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
-from .modes import Mode, candidates
 from .fit import fitting
+from .modes import Mode, candidates
 from .shape import ModelShape
 from .timeline import Batch
 from .wire import Layout, WireSettings
@@ -16,11 +18,15 @@ from .wire import Layout, WireSettings
 MORE_NODES = 64  # look up to this many times the nodes
 
 
-def _smallest(modes, shape, layout, batch, ws, limit, checkpointing) -> tuple[Mode, float, bool] | None:
-    """(mode, bytes per GPU, checkpointed) of the fitting mode that needs the least, or None."""
+def adamw_class(m: Mode) -> bool:
+    return m.is_ddp or m.spec.adamw_class
+
+
+def _smallest(modes, shape, layout, batch, ws, limit, checkpointing, keeps) -> tuple[Mode, float, bool] | None:
+    """(mode, bytes per GPU, checkpointed) of the fitting mode of ``keeps`` that needs the least, or None."""
     best = None
     for m in modes:
-        if not (m.is_ddp or m.spec.adamw_class):
+        if not keeps(m):
             continue
         state, act, ckpt, fits = fitting(m, shape, layout, batch, ws, limit, checkpointing)
         if fits and (best is None or state.total + act < best[1]):
@@ -33,45 +39,45 @@ def _say(found: tuple[Mode, float, bool]) -> str:
     return f"{m.name} at {total / 2**30:.3g} GiB" + (" checkpointed" if ckpt else "")
 
 
-def _single_changes(shape, layout, batch, ws, limit, modes, checkpointing) -> list[str]:
+def _single_changes(shape, layout, batch, ws, limit, modes, checkpointing, keeps) -> list[str]:
     """Each change that alone makes a mode fit."""
     g, out = layout.ranks_per_node, []
     if checkpointing == "off":
-        found = _smallest(modes, shape, layout, batch, ws, limit, "on")
+        found = _smallest(modes, shape, layout, batch, ws, limit, "on", keeps)
         if found:
             out.append(f"activation checkpointing (--activation-checkpointing on): {_say(found)}")
     if g > 1 and not any(m.sharding == "node" for m in modes):
-        found = _smallest(candidates(two_level=True), shape, layout, batch, ws, limit, checkpointing)
+        found = _smallest(candidates(two_level=True), shape, layout, batch, ws, limit, checkpointing, keeps)
         if found and found[0].sharding == "node":
             out.append(f"model sharding over the node (model_sharding='node'): {_say(found)}")
     mb = batch.micro_batch // 2
     while mb >= 1:
-        found = _smallest(modes, shape, layout, replace(batch, micro_batch=mb), ws, limit, checkpointing)
+        found = _smallest(modes, shape, layout, replace(batch, micro_batch=mb), ws, limit, checkpointing, keeps)
         if found:
             out.append(f"micro-batch {mb} (--micro-batch {mb}): {_say(found)}")
             break
         mb //= 2
-    nodes = _more_nodes(shape, layout, batch, ws, limit, candidates(two_level=g > 1), checkpointing)
+    nodes = _more_nodes(shape, layout, batch, ws, limit, candidates(two_level=g > 1), checkpointing, keeps)
     if nodes:
         out.append(nodes[1])
     return out
 
 
-def _more_nodes(shape, layout, batch, ws, limit, modes, checkpointing) -> tuple[Layout, str] | None:
+def _more_nodes(shape, layout, batch, ws, limit, modes, checkpointing, keeps) -> tuple[Layout, str] | None:
     g = layout.ranks_per_node
     for factor in (2 ** k for k in range(1, MORE_NODES.bit_length())):
         bigger = Layout(layout.nodes * factor, g)
         if batch.global_samples < bigger.world:
             return None
-        found = _smallest(modes, shape, bigger, batch, ws, limit, checkpointing)
+        found = _smallest(modes, shape, bigger, batch, ws, limit, checkpointing, keeps)
         if found:
             return bigger, f"{bigger.nodes} nodes of {g} (--nodes {bigger.nodes}): {_say(found)}"
     return None
 
 
 def what_would_fit(shape: ModelShape, layout: Layout, batch: Batch, ws: WireSettings, limit: float,
-                   modes: list[Mode], checkpointing: str) -> str:
-    single = _single_changes(shape, layout, batch, ws, limit, modes, checkpointing)
+                   modes: list[Mode], checkpointing: str, keeps: Callable[[Mode], bool] = adamw_class) -> str:
+    single = _single_changes(shape, layout, batch, ws, limit, modes, checkpointing, keeps)
     if single:
         return "What would fit, one change at a time: " + "; ".join(single) + "."
     # no single change is enough: take them together, the cheapest first, until a mode fits
@@ -82,16 +88,16 @@ def what_would_fit(shape: ModelShape, layout: Layout, batch: Batch, ws: WireSett
     if g > 1 and not any(m.sharding == "node" for m in modes):
         modes = candidates(two_level=True)
         changes.append("model sharding over the node (model_sharding='node')")
-    found = _smallest(modes, shape, layout, batch, ws, limit, checkpointing)
+    found = _smallest(modes, shape, layout, batch, ws, limit, checkpointing, keeps)
     if not found and batch.micro_batch > 1:
         batch = replace(batch, micro_batch=1)
         changes.append("micro-batch 1 (--micro-batch 1)")
-        found = _smallest(modes, shape, layout, batch, ws, limit, checkpointing)
+        found = _smallest(modes, shape, layout, batch, ws, limit, checkpointing, keeps)
     if not found:
-        nodes = _more_nodes(shape, layout, batch, ws, limit, modes, checkpointing)
+        nodes = _more_nodes(shape, layout, batch, ws, limit, modes, checkpointing, keeps)
         if nodes:
             changes.append(nodes[1].split(":")[0])
-            found = _smallest(modes, shape, nodes[0], batch, ws, limit, checkpointing)
+            found = _smallest(modes, shape, nodes[0], batch, ws, limit, checkpointing, keeps)
     if found:
         return "What would fit, no one change being enough: " + ", ".join(changes) + f" together: {_say(found)}."
     return (f"Nothing tried fits {limit / 2**30:.3g} GiB (checkpointing, node sharding, micro-batch 1, up to "

@@ -119,9 +119,21 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     decision = decide(rows, goal, lambda m: _pool(m, layout, *settings))
     why = decision.why
     if decision.choice is None and any(_pool(r.mode, layout, *settings) and not r.fits for r in rows):
-        why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing)
+        why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing,
+                                    lambda m: meets_goal(m, goal, results, rows[0].samples_per_step, steps))
     soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), list_faster=0)
     return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit or 0.0, goal)
+
+
+def meets_goal(m: Mode, goal: Goal, results: Path | None, global_batch: int, steps: int | None) -> bool:
+    """Whether the rule could take ``m`` once it fits: in its pool, measured, within the goal's bound."""
+    from .decide import in_pool
+
+    if not in_pool(m):
+        return False
+    samples = steps * global_batch if steps is not None else None
+    est = estimate(m, results, global_batch, samples, "factor" if goal.kind == "time_to_loss" else "gap_pct")
+    return est.measured and (goal.kind == "time_to_loss" or est.value <= goal.loss_bound_pct)
 
 
 def _pool(m: Mode, layout: Layout, topology: str, model_sharding: str | None, optimizer_offload: str | None) -> bool:
