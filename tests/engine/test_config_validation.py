@@ -203,6 +203,7 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"outer_overlap": 1}, "outer_overlap must be True or False (a bool, not 0/1 or a string), got 1"),
     ({"outer_period_s": 0}, "outer_period_s must be None (every inner_steps) or a finite number > 0, got 0"),
     ({"outer_period_s": "30"}, "outer_period_s must be None (every inner_steps) or a finite number > 0, got '30'"),
+    ({"outer_state_device": "gpu"}, "unknown outer_state_device 'gpu': choose one of ('device', 'cpu')"),
     # onebit_adam
     ({"onebit_warmup_steps": 0}, "onebit_warmup_steps must be None (the variance rule decides) or a positive integer, got 0"),
     ({"onebit_warmup_steps": 2.5}, "onebit_warmup_steps must be None (the variance rule decides) or a positive integer"),
@@ -238,7 +239,7 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"ranks_per_node": 0}, "ranks_per_node must be"),
     ({"model_sharding": "rows"}, "unknown model_sharding 'rows'"),
     ({"model_sharding": "node", "topology": "flat"}, "it needs topology='auto' or 'two_level', not 'flat'"),
-    ({"model_sharding": "node", "strategy": "diloco"}, "does not run with model_sharding='node' yet"),
+    ({"model_sharding": "node", "strategy": "onebit_adam"}, "does not run with model_sharding='node' yet"),
     ({"activation_checkpointing": 1}, "activation_checkpointing must be True or False"),
     ({"checkpoint_dir": ""}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got ''"),
     ({"checkpoint_dir": 123}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got 123"),
