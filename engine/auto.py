@@ -111,8 +111,9 @@ def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | N
     rows = []
     for per_step, ms in groups.items():
         b = batch if batch is not None else Batch(per_step, 1)
-        got, _ = plan_rows(shape, layout, hw, b, ws, ms, hw.memory_bytes, steps, results, "auto", label)
-        rows += [r for r in got if not r.mode.is_ddp]
+        got, _ = plan_rows(shape, layout, hw, b, ws, ms, hw.memory_bytes, steps, results, "auto", label,
+                           with_reference=False)
+        rows += got
     decision = decide(rows, goal)
     return decision.choice, decision, rows
 
@@ -186,10 +187,10 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
     out.validate()
     per_micro = t.step_s / choice.samples_per_step
     others = sorted((r for r in rows if r is not choice), key=lambda r: r.time.step_s / r.samples_per_step)[:5]
-    why = (f"strategy=auto -> {mode.name}: {decision.why} Measured: {measured.describe()}, compute "
+    why = (f"strategy=auto -> {mode.name}: {decision.why} The probe measured: {measured.describe()}, compute "
            f"{samples_per_s:.3g} synthetic samples/s; B = {choice.samples_per_step} micro-batches per step (one "
-           f"sample each, the engine does not know more), {cfg.max_steps} steps; predicted per micro-batch: "
-           f"{mode.name} {per_micro * 1e3:.3g} ms, "
+           f"sample each, the engine does not know more), {cfg.max_steps} steps; predicted {per_micro * 1e3:.3g} ms "
+           "per micro-batch; others: "
            + ", ".join(f"{r.mode.name} {r.time.step_s / r.samples_per_step * 1e3:.3g} ms" for r in others))
     if rank == 0:
         log.info(why)

@@ -149,14 +149,17 @@ def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool,
     choice = min(near, key=lambda r: (simplicity(r.mode), score(r, goal)))
     t = choice.time
     bound = "the link" if t.exposed_s > 0.05 * t.step_s else "compute"
-    why = head + (f"{choice.mode.name}: predicted {t.step_s:.3g} s/step for {choice.samples_per_step} samples, "
-                  f"{choice.speedup_vs_ddp:.2f}x torch DDP's step (compute {t.compute_s:.3g} s, node link "
+    vs_ddp = f", {choice.speedup_vs_ddp:.2f}x torch DDP's step" if choice.speedup_vs_ddp else ""
+    why = head + (f"{choice.mode.name}: predicted {t.step_s:.3g} s/step for {choice.samples_per_step} samples"
+                  f"{vs_ddp} (compute {t.compute_s:.3g} s, node link "
                   f"{t.inter_s:.3g} s, inside the node {t.intra_s:.3g} s, comm-side work {t.comm_work_s:.3g} s, "
                   f"exposed {t.exposed_s:.3g} s: bound by {bound}); {choice.memory.total / 2**30:.3g} GiB of state "
                   f"and {choice.activations / 2**30:.3g} GiB of activations per GPU"
                   + (" (activation checkpointing: needed to fit)" if choice.checkpointing else "") + ". ")
     if goal.kind == "time_to_loss":
-        why += f"Predicted time to AdamW's loss {choice.to_loss_vs_ddp:.2f}x torch DDP's; {factor_text(choice)}. "
+        to_loss = (f"{choice.to_loss_vs_ddp:.2f}x torch DDP's" if choice.to_loss_vs_ddp is not None else
+                   f"{score(choice, goal) * 1e3:.3g} ms per sample of AdamW's progress")
+        why += f"Predicted time to AdamW's loss {to_loss}; {factor_text(choice)}. "
     text = loss_text(choice)
     why += text[0].upper() + text[1:] + ". "
     if len(near) > 1:

@@ -32,7 +32,7 @@ class PlanRow:
     time: StepTime
     memory: Memory
     loss: Estimate  # held-out loss at equal samples vs AdamW's, percent, at the run's B and length
-    speedup_vs_ddp: float  # the reference DDP's step time / this step time
+    speedup_vs_ddp: float | None  # the reference DDP's step time / this step time (None: not priced)
     factor: Estimate  # measured samples to AdamW's loss / AdamW's own, at the run's B and length
     to_loss_vs_ddp: float | None  # predicted time to AdamW's loss / the reference DDP's (None: unmeasured)
     activations: float = 0.0  # bytes of one micro-batch's activations per GPU
@@ -70,15 +70,17 @@ def reference_mode(ws: WireSettings) -> Mode:
 
 def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings, modes: list[Mode],
               limit: float | None, steps: int | None, results: Path | None, checkpointing: str,
-              label: str = "the run") -> tuple[list[PlanRow], Mode]:
+              label: str = "the run", with_reference: bool = True) -> tuple[list[PlanRow], Mode]:
     """Every mode's row at ``batch``; the loss figures at B = ``batch.global_samples`` and a run
-    of ``steps`` x B samples (None: the longest measured at each B)."""
+    of ``steps`` x B samples (None: the longest measured at each B). ``with_reference``: price
+    torch DDP too and give every row its ratios to it (strategy="auto" does not: a probe of one
+    node has no rate for DDP's ring)."""
     ref = reference_mode(ws)
-    if ref not in modes:
+    if with_reference and ref not in modes:
         modes = [ref] + list(modes)
     fit = {m: fitting(m, shape, layout, batch, ws, limit, checkpointing) for m in modes}
     times = {m: step_time(m, shape, layout, hw, replace(batch, checkpointing=fit[m][2]), ws) for m in modes}
-    ref_s = times[ref].step_s
+    ref_s = times[ref].step_s if with_reference else None
     b = batch.global_samples
     samples = steps * b if steps is not None else None
     rows = []
@@ -91,9 +93,10 @@ def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
             warm = warmup_fraction(factor)
             warm_s = step_time(replace(m, strategy=m.spec.warmup_as), shape, layout, hw,
                                replace(batch, checkpointing=ckpt), ws).step_s if warm else None
-        to_loss = (time_to_loss(times[m].step_s, factor.value, warm, warm_s) / ref_s) if factor.measured else None
-        rows.append(PlanRow(m, times[m], state, loss, ref_s / times[m].step_s, factor, to_loss, act, ckpt, fits,
-                            b, warm_s, warm))
+        to_loss = (time_to_loss(times[m].step_s, factor.value, warm, warm_s) / ref_s
+                   if factor.measured and ref_s else None)
+        rows.append(PlanRow(m, times[m], state, loss, ref_s / times[m].step_s if ref_s else None, factor, to_loss,
+                            act, ckpt, fits, b, warm_s, warm))
     return rows, ref
 
 
