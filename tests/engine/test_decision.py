@@ -188,3 +188,22 @@ def test_auto_modes_follow_the_config():
     assert {m.strategy for m in modes} == {"zero1", "acco"}  # never dpu, local steps or 1-bit Adam
     flat = auto_modes(EngineConfig(strategy="auto", topology="flat", codec="loco4", param_codec="int4"), two)
     assert {(m.exchange, m.codec, m.param_codec) for m in flat} == {("flat", "loco4", "int4")}
+
+
+def test_the_planner_cli_takes_the_goal_and_prints_the_evidence(tmp_path, capsys):
+    from engine.plan import main
+
+    out = tmp_path / "plan.json"
+    args = ["--model", "70b", "--nodes", "8", "--gpus-per-node", "8", "--inter-gbit", "10", "--global-batch", "1024",
+            "--micro-batch", "1", "--results", str(RESULTS)]
+    assert main(args + ["--goal", "time_to_loss", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Recommended: Goal: reach AdamW's loss soonest" in text
+    assert "evidence reaches B = 96, length 3072 samples; the 70.6B run at B = 1024 is beyond it" in text
+    doc = json.loads(out.read_text())
+    assert doc["goal"] == {"kind": "time_to_loss", "loss_bound_pct": 0.5}
+    rec = next(r for r in doc["rows"] if r["mode"] == doc["recommended"])
+    assert rec["samples_to_adamw_loss"] is not None and rec["loss_evidence"].startswith("B 96")
+    assert any(r["loss_not_measured"].startswith("not measured") for r in doc["rows"])
+    with pytest.raises(SystemExit, match="percentage"):
+        main(args + ["--loss-bound", "-1"])
