@@ -159,6 +159,14 @@ def _soonest_why(soon) -> str:
     return text
 
 
+def _too_few(est: Estimate) -> str:
+    """The row with the most seeds among those that do not qualify, e.g. " (+16.90% at B 16, 1 seed)"."""
+    if not est.unqualified:
+        return ""
+    p = max(est.unqualified, key=lambda p: len(p.seeds))
+    return f" ({p.gap_pct:+.2f}% at B {p.global_batch}, {len(p.seeds)} seed{'s' if len(p.seeds) > 1 else ''})"
+
+
 def format_plan(plan: Plan) -> str:
     limit = f" of {plan.memory_limit / 2**30:.3g}" if plan.memory_limit else ""
     head = ["mode", "s/step", "vs " + plan.reference.name, "compute s", "node link s", "intra s", "comm work s",
@@ -168,7 +176,7 @@ def format_plan(plan: Plan) -> str:
     for r in sorted(plan.rows, key=lambda r: r.time.step_s):
         t, q = r.time, r.loss
         loss = ("0 (reference)" if q.reference else f"{q.value:+.2f}% [{q.evidence()}]" if q.measured
-                else "not measured")
+                else "not measured" + _too_few(q))
         factor = "-" if not r.factor.measured else f"{r.factor.value:.2f}x"
         to_loss = "-" if r.to_loss_vs_ddp is None else f"{r.to_loss_vs_ddp:.2f}x"
         fits = ("yes" if r.fits else "no") + (" (checkpointed)" if r.checkpointing else "")
