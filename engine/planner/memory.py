@@ -261,10 +261,11 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
 
 # an outer round's temporaries per value of the outer state, by the round's kind (its spec's
 # ``outer_cost``), measured on the torch path by tests/engine/test_local_steps_sharded.py (2 x 2, fp32):
-# the pseudo-gradient, the exchange's rows and result and the outer step's proposal (momentum SGD);
+# the pseudo-gradient, the exchange's rows and result and the outer step's proposal (momentum SGD: one
+# piece covers that model; at scale the proposal is piece-sized);
 # the error's encode and decode (error feedback + top-k). And whether the exchange's wire rows are
 # as long as the outer state (an averaging all-to-all: they stay on the device with the state on the CPU)
-OUTER_TEMP = {"outer_sgd_s_per_param": (23.0, True), "outer_topk_s_per_param": (36.25, False)}
+OUTER_TEMP = {"outer_sgd_s_per_param": (20.0, True), "outer_topk_s_per_param": (36.25, False)}
 
 
 def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
