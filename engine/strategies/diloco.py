@@ -36,6 +36,7 @@ from acco_loco.outer import outer_sgd_spec, outer_sgd_step
 from ..core.rounds import RoundContext
 from ..runtime.host import host_flag
 from .local_steps import LocalStepStrategy
+from .outer_state import PIECE
 from .spec import ALIGN, padded, small_bytes
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -60,15 +61,27 @@ class DiLoCo(LocalStepStrategy):
         self.wire = WIRE_DTYPES[cfg.pseudo_grad_dtype]
 
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+        """The outer step piece by piece, twice: first whether every new value is finite (the same
+        verdict on every replica), then written in place (theta_sync and the momentum are
+        persistent buffers the compute side reads): no full-size proposal (8 bytes per value)."""
         mean = self.average(ctx, delta, shares)
-        state = ShardState(master=self.theta_sync, exp_avg=self.momentum, step=self.outer_steps)
-        proposal = outer_sgd_step(state, mean, ctx.cfg.outer_lr, self.spec)
-        if not host_flag(torch.isfinite(proposal.master).all()):  # the same verdict on every replica
+        lr, n = ctx.cfg.outer_lr, mean.numel()
+        finite = torch.ones((), dtype=torch.bool, device=mean.device)
+        for a in range(0, n, PIECE):
+            finite &= torch.isfinite(self._piece(mean, a, a + PIECE, lr).master).all()
+        if not host_flag(finite):
             return False
-        self.theta_sync.copy_(proposal.master)  # persistent buffers: the compute side reads them
-        self.momentum.copy_(proposal.exp_avg)
-        self.outer_steps = proposal.step
+        for a in range(0, n, PIECE):
+            piece = self._piece(mean, a, a + PIECE, lr)
+            self.theta_sync[a:a + PIECE].copy_(piece.master)
+            self.momentum[a:a + PIECE].copy_(piece.exp_avg)
+        self.outer_steps += 1
         return True
+
+    def _piece(self, mean: torch.Tensor, a: int, b: int, lr: float) -> ShardState:
+        """Values [a, b) of the outer step's proposal (momentum SGD is elementwise: the same bits)."""
+        state = ShardState(master=self.theta_sync[a:b], exp_avg=self.momentum[a:b], step=self.outer_steps)
+        return outer_sgd_step(state, mean[a:b], lr, self.spec)
 
     def average(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
         """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype."""
