@@ -28,9 +28,9 @@ import torch
 
 from acco_loco.acco import RoundKind, RoundPlan
 from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_step
-from acco_loco.shard_state import ShardState
 from acco_loco.outer import pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
+from acco_loco.shard_state import ShardState
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..parallel.two_level import slice_of

@@ -110,7 +110,7 @@ def test_sharded_local_steps_match_the_unsharded_run(m, g, k):
 def _resume(rank: int, world: int, root: str) -> dict:
     out = {}
     for strategy, place, overlap in (("diloco", "device", True), ("sparseloco", "cpu", False), ("diloco", "cpu", False)):
-        kw = dict(outer_state_device=place, outer_overlap=overlap)
+        kw = {"outer_state_device": place, "outer_overlap": overlap}
         data = worker_stream(rank, H * (ROUNDS + 2))
         straight = Engine(chunked_model(), config(strategy, "node", 1, **kw), mse_loss)
         straight.fit(iter(data))
@@ -171,10 +171,10 @@ def _memory(rank: int, world: int) -> dict:
         held = held_bytes(engine.model, engine.ctx, engine.strategy)
         outer = [engine.strategy.theta_sync, engine.strategy.submitted,
                  *engine.strategy.outer_tensors().values()]
-        out[strategy, sharding, place] = dict(
-            held=held, temps=max(peaks), loss=history[-1]["loss"], values=engine.flat.numel,
-            outer_bytes=sum(t.untyped_storage().nbytes() for t in outer),
-            outer_on=sorted({t.device.type for t in outer}))
+        out[strategy, sharding, place] = {
+            "held": held, "temps": max(peaks), "loss": history[-1]["loss"], "values": engine.flat.numel,
+            "outer_bytes": sum(t.untyped_storage().nbytes() for t in outer),
+            "outer_on": sorted({t.device.type for t in outer})}
     return out
 
 
