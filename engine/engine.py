@@ -10,7 +10,6 @@ boundary does (engine/loops/).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from contextlib import contextmanager
 from functools import partial
@@ -27,9 +26,8 @@ from .checkpoint.rank_state import gather_state, restore_state
 from .checkpoint.reshard import recut
 from .checkpoint.writer import CheckpointWriter
 from .config import EngineConfig
-from .core.context import build_context, start_process_group, trainable_parameters
+from .core.context import build_context, pretrained_engine, start_rank
 from .core.counters import EngineState
-from .core.loading import causal_lm_on_meta, load_whole, on_meta, plan_weights
 from .core.loss import LossFn, batch_size, checked_loss, default_loss
 from .core.run import RunState
 from .core.step_result import StepResult
@@ -49,29 +47,14 @@ _END = object()
 
 class Engine:
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig | None = None,
-                 loss_fn: LossFn | None = None, *, weights: str | os.PathLike | None = None,
-                 device: torch.device | str | None = None):
-        """``weights``: a save_pretrained folder (safetensors) every rank reads its start values from
-        itself, no broadcast: the whole model under model_sharding="none", only its FSDP2 local
-        shards under "node", so a model built on the meta device that fits no rank whole can be
-        trained (engine/core/loading.py). ``device``: where such a meta model goes (default: this
-        rank's GPU, else the CPU)."""
+                 loss_fn: LossFn | None = None, *, weights=None, device=None):  # both: engine/core/loading.py
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         cfg = cfg if cfg is not None else EngineConfig()
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg must be an EngineConfig, got {type(cfg).__name__}")
         cfg.validate()
-        named = trainable_parameters(model)
-        self.weights = plan_weights(model, weights, device)  # checked against the model before any group starts
-        if self.weights is not None and cfg.model_sharding == "node" and cfg.strategy == "auto":
-            raise ValueError("strategy='auto' times the model's forward on one rank, and a model loaded by its "
-                             "node-sharded slices is never whole on one rank: name the strategy (python -m "
-                             "engine.plan --model <config folder> says which)")
-        device, rank, world = start_process_group(named, cfg, self.weights and self.weights.device)
-        if self.weights is not None and cfg.model_sharding != "node":
-            load_whole(model, self.weights)  # every rank reads the whole folder itself
-            named = trainable_parameters(model)
+        device, rank, world, named, self.weights = start_rank(model, cfg, weights, device)  # weights: the source
         dims = ParallelDims.start(rank, world, device, cfg.ranks_per_node, cfg.topology, cfg.timeout_s)
         check_agreement(model, cfg, dims.comm("control"), device)  # before any collective that depends on sizes
         cfg, self.auto_choice = choose_strategy(cfg, model, dims)  # strategy="auto": the planner chooses (engine/auto.py)
@@ -109,21 +92,8 @@ class Engine:
         self._looping = False  # inside a loop of feed() calls: fit's, or the user's since the first feed
         self._closed = False
 
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, cfg: EngineConfig | None = None,
-                        loss_fn: LossFn | None = None, *, model: torch.nn.Module | None = None,
-                        device: torch.device | str | None = None) -> "Engine":
-        """An engine whose model starts from a transformers model folder (config.json and
-        safetensors), read by each rank itself: whole under model_sharding="none", its local
-        shards only under "node". ``model``: the model built on the meta device (to freeze layers
-        first, or a class of your own); default: ``AutoModelForCausalLM.from_config`` of the
-        folder's config.json, built on the meta device (needs transformers). ``engine.model``
-        is the model; ``engine.weights.bytes_read`` what this rank read."""
-        if model is None:
-            model = causal_lm_on_meta(folder)
-        return cls(model, cfg, loss_fn, weights=folder, device=device)
-
     # ------------------------------------------------------------------ public API
+    from_pretrained = classmethod(pretrained_engine)  # a transformers folder, each rank reading its own values
     step = property(lambda self: self.state.step, doc="committed steps (local steps: this worker's inner steps)")
     round_index = property(lambda self: self.state.round_index, doc="rounds submitted")
     consumed = property(lambda self: self.state.consumed, doc="micro-batches taken from this worker's data")
@@ -262,9 +232,6 @@ class Engine:
         """Build an engine from a checkpoint written by ``save`` (at this or another world size:
         engine/checkpoint/reshard.py re-cuts the state). ``max_steps`` sets a new horizon for the resumed run
         (it must lie beyond the saved step)."""
-        if on_meta(model):
-            raise ValueError("Engine.load needs the model with values (a checkpoint holds the whole model): build "
-                             "it on a real device; resuming a model built on the meta device is not supported yet")
         opened = checkpoint_load.open_checkpoint(directory, model, cfg, loss_fn, max_steps)
         try:
             engine = cls(model, opened.cfg, loss_fn)

@@ -23,7 +23,7 @@ from ..runtime.cpu_memory import keep_freed_memory
 from ..strategies import shard_groups
 from .dtypes import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
 from .flat import FlatParams
-from .loading import WeightsLoad
+from .loading import WeightsLoad, pretrained_engine, start_weights  # noqa: F401 (pretrained_engine: Engine's)
 from .rounds import RoundContext
 
 log = logging.getLogger("acco_loco")
@@ -47,11 +47,25 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def start_rank(model: torch.nn.Module, cfg, weights, device) -> tuple:
+    """(device, rank, world size, the trainable (name, parameter) pairs, the WeightsLoad or None):
+    where the start values come from settled first (``weights``: a folder checked against the
+    model and, unsharded, read whole by this rank: engine/core/loading.py), then the process group
+    on the device the values are on (``device`` for a model built on the meta device)."""
+    named = trainable_parameters(model)
+    plan = start_weights(model, cfg, weights, device)  # keeps each Parameter object: ``named`` holds
+    return (*start_process_group(named, cfg, plan.device if plan is not None else None), named, plan)
+
+
 def start_process_group(named: list, cfg, device: torch.device | None = None) -> tuple[torch.device, int, int]:
     """(the model's device, rank, world size): the device made current, and on CPU the freed-memory
     setting applied before the process group and the comm thread start. ``device``: where a model
     built on the meta device is loaded (engine/core/loading.py), in place of its parameters'."""
     device = device if device is not None else named[0][1].device
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device (no values): Engine(model, cfg, weights=<a save_pretrained "
+                         "folder>) or Engine.from_pretrained(folder, cfg) has every rank read its own; a checkpoint "
+                         "(Engine.load) needs the model built with values")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif cfg.keep_cpu_memory:

@@ -165,6 +165,34 @@ def plan_weights(model: torch.nn.Module, weights, device) -> WeightsLoad | None:
                        {n: p.dtype for n, p in model.named_parameters()})
 
 
+def start_weights(model: torch.nn.Module, cfg, weights, device) -> WeightsLoad | None:
+    """Engine start: the folder checked against the model (or None: the model's own values, rank
+    0's broadcast), and under model_sharding="none" read whole by this rank now; under "node" the
+    local shards are read once FSDP2 has cut the model (engine/parallel/sharding.py)."""
+    plan = plan_weights(model, weights, device)
+    if plan is None:
+        return None
+    if cfg.model_sharding == "node":
+        if cfg.strategy == "auto":
+            raise ValueError("strategy='auto' times the model's forward on one rank, and a model loaded by its "
+                             "node-sharded slices is never whole on one rank: name the strategy (python -m "
+                             "engine.plan --model <config folder> says which)")
+    else:
+        load_whole(model, plan)
+    return plan
+
+
+def pretrained_engine(cls, folder: str | os.PathLike, cfg=None, loss_fn=None, *, model=None, device=None):
+    """``Engine.from_pretrained(folder, cfg, loss_fn, model=None, device=None)``: an engine whose
+    model starts from a transformers model folder (config.json and safetensors), read by each rank
+    itself: whole under model_sharding="none", its FSDP2 local shards only under "node".
+    ``model``: the model built on the meta device (to freeze layers first, or a class of your
+    own); default ``causal_lm_on_meta(folder)``. ``device``: where its values go (default: this
+    rank's GPU, else the CPU). ``engine.weights.bytes_read``: what this rank read."""
+    return cls(model if model is not None else causal_lm_on_meta(folder), cfg, loss_fn, weights=folder,
+               device=device)
+
+
 def _kept_buffers(model: torch.nn.Module, plan: WeightsLoad) -> dict[str, torch.Tensor]:
     """The buffers that keep their values (built on a real device, not in the folder)."""
     return {name: module._buffers[local].detach().clone() for name, module, local, _ in _buffers(model)
@@ -219,6 +247,20 @@ def parameter_storage_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def _allocate_in_place(model: torch.nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for every parameter and buffer, each Parameter object kept
+    (``torch.utils.swap_tensors``): a tied head stays tied and parameters already listed stay
+    the model's (``to_empty`` from the meta device makes new ones)."""
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                           requires_grad=p.requires_grad))
+        for module in model.modules():
+            for local, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[local] = torch.empty_like(buf, device=device)
+
+
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     """The names of each parameter that has several (a tied LM head and its embedding)."""
     aliases: dict[int, list[str]] = {}
@@ -227,22 +269,11 @@ def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in aliases.values() if len(names) > 1]
 
 
-def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
-    """``to_empty`` from the meta device makes a new Parameter per module, which unties a tied
-    head: each alias is pointed at its first name's Parameter again."""
-    for first, *others in tied:
-        kept = model.get_parameter(first)
-        for name in others:
-            owner, _, local = name.rpartition(".")
-            model.get_submodule(owner)._parameters[local] = kept
-
-
 def load_whole(model: torch.nn.Module, plan: WeightsLoad) -> None:
     """model_sharding='none': every tensor of the folder read by this rank into the model, placed
     on ``plan.device`` in the dtype it was built with."""
-    kept, tied = _kept_buffers(model, plan), _tied_names(model)
-    model.to_empty(device=plan.device)
-    _retie(model, tied)
+    kept = _kept_buffers(model, plan)
+    _allocate_in_place(model, plan.device)
     plan.held_bytes = parameter_storage_bytes(model)
     with SliceReader(plan.folder) as reader, torch.no_grad():
         for name, found in plan.match.params.items():

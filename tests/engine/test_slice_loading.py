@@ -135,7 +135,7 @@ def test_refusals_name_the_problem(tmp_path):
         Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=tmp_path / "nowhere")
     with pytest.raises(ValueError, match="strategy='auto'.*name the strategy"):
         Engine(causal_lm_on_meta(folder), config("auto", "node"), weights=folder)
-    with pytest.raises(ValueError, match="Engine.load needs the model with values"):
+    with pytest.raises(ValueError, match=r"a checkpoint \(Engine.load\) needs the model built with values"):
         Engine.load(tmp_path / "no-checkpoint", causal_lm_on_meta(folder))
     with pytest.raises(ValueError, match="device= places a model built on the meta device"):
         Engine(eager_model(folder), config("zero1", "none"), device="cpu")
