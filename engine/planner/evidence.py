@@ -20,7 +20,8 @@ from one mode to another: the benchmark's names map to the planner's modes by wh
 deltas, benchmarks/modes.py). The exchange does not change an uncompressed mode's update (a mean of the same
 gradients, summation order aside), so the rows of an uncompressed mode serve its flat, two-level and
 node-sharded rows; under a gradient codec the two-level exchange compresses the node's sum instead
-of each rank's gradient, so those modes need rows measured at that exchange.
+of each rank's gradient, and a local-step strategy's replica becomes the node, so those modes need
+rows measured at that exchange.
 
 ``estimate`` interpolates a mode's qualifying points in log B and log length (linear between the
 measured points around the run's, exactly the measured value at a measured point) and never
@@ -56,7 +57,8 @@ REFERENCE = "torch-ddp"
 
 def evidence_key(mode: Mode) -> str | None:
     """The name under which a mode's measured rows are kept: what it runs, with the exchange only
-    where the exchange changes the update (a gradient codec on the two-level reduction; node
+    where the exchange changes the update (a gradient codec compresses the node's sum on the
+    two-level reduction; a local-step strategy's replica is then the node, not the rank; node
     sharding reduces as two-level does). None for torch DDP (the reference)."""
     if mode.is_ddp:
         return None
@@ -64,7 +66,7 @@ def evidence_key(mode: Mode) -> str | None:
     name = f"{mode.strategy}|{mode.codec}|{pc}"
     if mode.local_steps:
         name += f"|h{mode.inner_steps}" + ("+overlap" if mode.outer_overlap else "")
-    if mode.codec != "none" and mode.exchange != "flat":
+    if (mode.codec != "none" or mode.local_steps) and mode.exchange != "flat":
         name += "|two-level"
     return name
 

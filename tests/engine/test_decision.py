@@ -114,6 +114,7 @@ def test_the_benchmarks_names_map_to_what_they_run():
     # the exchange changes a compressed update, not an uncompressed one
     assert evidence_key(Mode("zero1", exchange="two-level", sharding="node")) == evidence_key(Mode("zero1"))
     assert evidence_key(Mode("acco", "loco4", "int4", exchange="two-level")) != evidence_key(Mode("acco", "loco4", "int4"))
+    assert evidence_key(Mode("sparseloco", exchange="two-level")) != evidence_key(Mode("sparseloco"))  # node replicas
 
 
 def _pt(b, n, gap, seeds=3, kind="benchmark"):
