@@ -27,15 +27,15 @@ from dataclasses import replace
 import torch
 
 from acco_loco.acco import RoundKind, RoundPlan
-from acco_loco.optim import can_fuse, clip_coefficient, propose_slice, propose_step
+from acco_loco.optim import can_fuse, clip_coefficient, propose_step
 from acco_loco.outer import pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
-from acco_loco.shard_state import ShardState
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
 from ..parallel.two_level import slice_of
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
+from .inner_step import PieceStep
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
 from .outer_state import OuterPlace
@@ -74,7 +74,7 @@ class LocalStepStrategy(Strategy):
         self.done = False  # this worker reached its step budget (outer_period_s)
         self.last: OuterTotals | None = None
         self.period_start = time.perf_counter()
-        self._scratch: torch.Tensor | None = None  # the fused inner step's square roots, one piece long
+        self._step_in_place = PieceStep()  # the inner step written over the state (inner_step.py)
         self.layout = None  # the node layout when a node is one replica (two-level), else None
         self.replica: NodeReplica | None = None  # node replicas, and a model sharded inside the node
         self.sharded = False  # model_sharding='node': theta_w is this rank's FSDP2 local shards
@@ -302,29 +302,6 @@ class LocalStepStrategy(Strategy):
         if self._exhausted is None:  # a kept device buffer, filled in place (no host-to-device copy)
             self._exhausted = torch.zeros(1, dtype=torch.float64, device=self.theta_sync.device)
         return self.replica.agree(self._exhausted.fill_(float(exhausted)))[0] > 0
-
-    def _step_in_place(self, state, grad_sum: torch.Tensor, count: int, coef: float, lr: float, spec,
-                       fused: bool = True) -> bool:
-        """The fused AdamW step written over the state, in pieces sharing one small scratch: no
-        second copy of the full-size inner state. Skipping without a trace needs no copy either:
-        a gradient whose fp32 squares are finite gives finite moments and a bounded AdamW update
-        (|m_hat| / sqrt(v_hat) stays below a small constant), so the parameters stay finite
-        unless they were already near the fp32 limit: returns False then (the caller refuses it)."""
-        n, piece = grad_sum.numel(), 1 << 20
-        if self._scratch is None or self._scratch.device != grad_sum.device:
-            self._scratch = torch.empty(min(n, piece), dtype=torch.float32, device=grad_sum.device)
-        for a in range(0, n, piece):
-            b = min(n, a + piece)
-            if fused or grad_sum.dtype == torch.float32:
-                propose_slice(state, grad_sum, count, coef, lr, spec, state, a, b, self._scratch, fused)
-                continue
-            # a low-precision gradient (a sharded bf16 model's): each piece in fp32 before it is divided
-            view = ShardState(*(t[a:b] if t is not None and t.numel() == n else t
-                                for t in (state.master, state.exp_avg, state.exp_avg_sq)), state.step)
-            propose_slice(view, grad_sum[a:b].to(torch.float32), count, coef, lr, spec, view, 0, b - a,
-                          self._scratch, False)
-        state.step += 1
-        return math.isfinite(float(torch.dot(state.master, state.master))) or bool(torch.isfinite(state.master).all())
 
     def _skip_inner(self, ctx: RoundContext, step_index: int, lr: float, loss: float, why: str) -> InnerStep:
         if ctx.cfg.nan_policy == "stop":
