@@ -236,6 +236,16 @@ class ErrorFeedback:
                 saved.copy_(t)
         self._marked_zero = self._zero
 
+    @property
+    def marked(self) -> bool:
+        """Whether a :meth:`mark` is held (what :meth:`rollback` goes back to)."""
+        return self._marked is not None
+
+    def forget_mark(self) -> None:
+        """Drop the mark and its copy (a later :meth:`mark` allocates it again)."""
+        self._marked = None
+        self._marked_zero = True
+
     def rollback(self) -> None:
         """Go back to the state of the last :meth:`mark`: what a skipped optimizer step sent
         must not leave an error behind (the step never happened)."""

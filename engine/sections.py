@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from acco_loco.optim import OPTIMIZERS
-from acco_loco.optimizers import MUON_ADJUST_LR
 from acco_loco.optim import finite_number as _finite
+from acco_loco.optimizers import MUON_ADJUST_LR
 from acco_loco.registry import GRAD_CODECS, PARAM_CODECS, parse_grad_codec
 from acco_loco.schedule import SCHEDULES
 
 from .parallel.topology import TOPOLOGIES
-from .strategies.spec import STEP_COPIES  # names only: a strategy's module loads when first used
 from .rules import Check, Choice, Rule, boolean, choice, integer, is_int, number, optional, setting
+from .strategies.spec import ERROR_AFTER_SKIP, STEP_COPIES  # names only: a strategy's module loads when first used
 
 MODEL_SHARDINGS = ("none", "node")
 
@@ -161,6 +161,10 @@ class CommunicationConfig:
     loco_beta: float = setting(0.8, "LoCo: weight of the moving average of past errors")
     reset_period: int = setting(1024, "committed steps between error-feedback resets")
     error_storage: str = setting("int8", "how error feedback is stored: int8 (LoCo's 8-bit errors) or fp32")
+    error_after_skip: str = setting("auto", "what a skipped step (a non-finite gradient or update) does to the "
+                                    "error feedback: rollback = restore it from a copy taken at the step's "
+                                    "start (a second error state in memory); reset = zero it, as the "
+                                    "periodic reset does (no copy); auto = reset on CUDA, rollback elsewhere")
     scale_dtype: str = setting("float32", "dtype of the group scales on the wire")
     stochastic_rounding: bool = setting(False, "quantize with stochastic instead of nearest rounding")
     comm_chunks: int | str = setting("auto", "split each collective into this many async pieces: auto = on "
@@ -175,6 +179,7 @@ class CommunicationConfig:
         "loco_beta": number(0, 1, high_open=True),
         "reset_period": integer(1),
         "error_storage": choice(ERROR_STORAGES),
+        "error_after_skip": choice(ERROR_AFTER_SKIP),
         "scale_dtype": choice(SCALE_DTYPES),
         "stochastic_rounding": boolean,
         "comm_chunks": Check("'auto' or an integer >= 1", lambda v: v == "auto" or (is_int(v) and v >= 1)),

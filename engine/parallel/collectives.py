@@ -37,6 +37,7 @@ from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
 
 from ..core.rounds import Reduced
 from ..runtime.host import nonfinite_flag, nonfinite_rows, nonfinite_rows_parts
+from ..strategies.spec import resolve_error_after_skip
 from .comm import Comm
 
 
@@ -129,8 +130,10 @@ class CompressedGrads:
     """One worker's compensated, quantized reduce-scatter."""
 
     def __init__(self, spec: GradCodecSpec, numel: int, world: int, group_size: int, scale_dtype: str,
-                 beta: float, reset_period: int, storage: str, device: torch.device, stochastic: bool, seed: int):
+                 beta: float, reset_period: int, storage: str, device: torch.device, stochastic: bool, seed: int,
+                 after_skip: str = "rollback"):
         self.codec = spec.make_wire(group_size, scale_dtype)
+        self.after_skip = after_skip  # 'rollback' (a copy of the error, taken at each step's start) or 'reset'
         self.world = world
         beta_arg = None if spec.feedback != "loco" else beta
         self.feedback = ErrorFeedback(spec.feedback, numel, beta=beta_arg, reset_period=reset_period,
@@ -256,18 +259,24 @@ class CompressedGrads:
                 target.addcmul_(parts[j], weights[j0 + j])
 
     def begin_step(self) -> None:
-        self.feedback.mark()  # a skipped step goes back here: it must leave no error behind
+        if self.after_skip == "rollback":
+            self.feedback.mark()  # a skipped step goes back here: it must leave no error behind
 
     def end_step(self, committed_step: int, skipped: bool) -> None:
         if skipped:
-            self.feedback.rollback()
+            # a skipped step must leave no error behind: back to the step's start, or no error at
+            # all (also when resumed mid-step from a checkpoint written under 'reset': no mark)
+            if self.after_skip == "rollback" and self.feedback.marked:
+                self.feedback.rollback()
+            else:
+                self.feedback.reset()
         self.feedback.on_committed_step(committed_step)
 
     def state_dict(self, mid_step: bool) -> dict[str, torch.Tensor]:
         """The error state; between the rounds of a step also the step's mark (a skipped
         commit after a resume must still roll back to it)."""
         out = {f"feedback.{k}": v for k, v in self.feedback.state_dict().items()}
-        if mid_step:
+        if mid_step and self.after_skip == "rollback":
             out.update({f"feedback_mark.{k}": v for k, v in self.feedback.mark_state_dict().items()})
         return out
 
@@ -277,8 +286,10 @@ class CompressedGrads:
             raise ValueError(f"{where} holds no error-feedback state but the gradient codec needs it")
         self.feedback.load_state_dict(fb)
         mark = {k[len("feedback_mark."):]: v for k, v in tensors.items() if k.startswith("feedback_mark.")}
-        if mark:
+        if mark and self.after_skip == "rollback":
             self.feedback.load_mark_state_dict(mark)
+        else:  # no mark to go back to in this step: a skipped commit resets the error instead
+            self.feedback.forget_mark()
 
 
 # ------------------------------------------------------------------------ parameter gatherers
@@ -435,7 +446,8 @@ def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: i
     codecs = parse_codecs(cfg.codec, cfg.param_codec, cfg.group_size, cfg.scale_dtype)
     grads = PlainGrads() if codecs.grad is None else CompressedGrads(
         codecs.grad, padded, world, cfg.group_size, cfg.scale_dtype, cfg.loco_beta, cfg.reset_period,
-        cfg.error_storage, device, cfg.stochastic_rounding, seed=cfg.seed * 65537 + rank)
+        cfg.error_storage, device, cfg.stochastic_rounding, seed=cfg.seed * 65537 + rank,
+        after_skip=resolve_error_after_skip(cfg.error_after_skip, torch.device(device).type == "cuda"))
     if codecs.param_deltas:
         return grads, DeltaParams(cfg.param_codec, world, cfg.group_size, cfg.scale_dtype)
     wire = compute_dtype if cfg.param_codec == "auto" else getattr(torch, cfg.param_codec)

@@ -20,6 +20,7 @@ optimizer, g = codec group, G = ranks per node:
                                        (4 min(c, 3) + 8)/(N c)
                         4/N + 4/N per kept shard   the reducer's fp32 output (+ ACCO's kept half)
                         2 (1 + 4/g) V/P   codec: int8 error + group scales, its rollback copy
+                                       (error_after_skip 'rollback'; 'reset', auto on a GPU: 1 (1 + 4/g))
                         2 (b/8 + 4/g) V/P min(c, 3)/c   codec: send and receive rows of
                                        piece 0 and of two slots the later pieces take in turn
                                        (stochastic rounding keeps every piece: not modelled)
@@ -57,7 +58,7 @@ import math
 from dataclasses import dataclass
 
 from engine.parallel.topology import Layout
-from engine.strategies.spec import MemorySpec, WireSettings, resolve_step_copy
+from engine.strategies.spec import MemorySpec, WireSettings, resolve_error_after_skip, resolve_step_copy
 
 from .modes import Mode
 from .shape import ModelShape
@@ -99,7 +100,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
                kept_shards: int = 0, codec: str = "none", param_codec: str = "auto",
                compute_bytes: int = 4, group_size: int = 128, chunks: int = 1, backend: str = "nccl",
                optimizer_state: int = 12, frozen: float = 0.0, grad_bytes: int = 4,
-               step_copy: str = "whole", offload: bool = False) -> dict[str, float]:
+               step_copy: str = "whole", offload: bool = False, error_copy: bool = True) -> dict[str, float]:
     """Bytes one rank holds after a step of a sharded strategy (``kept_shards``: the fp32 shards
     it keeps between rounds) on an unsharded model, by the
     categories of engine/runtime/memory_accounting.py, plus ``temporaries``: the largest set a round
@@ -155,7 +156,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
             out["comm"] += 4 * values / c
     else:
         row = grad_bits / 8 + 4 / g
-        out["error_feedback"] = 2 * values * (1 + 4 / g)
+        out["error_feedback"] = (2 if error_copy else 1) * values * (1 + 4 / g)
         out["comm"] += 2 * values * row * min(c, 3) / c  # send and receive: piece 0 and two slots in turn
     if delta_bits is None:
         if wire != 4:  # the fp32 master's piece cast to the wire dtype
@@ -205,7 +206,7 @@ def _longest_piece(size: float, count: int, unit: int) -> tuple[int, float]:
 def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: int = 0, codec: str = "none",
                        param_codec: str = "auto", compute_bytes: int = 4, group_size: int = 128, chunks: int = 1,
                        backend: str = "nccl", optimizer_state: int = 12, frozen: float = 0.0,
-                       step_copy: str = "whole", offload: bool = False) -> dict[str, float]:
+                       step_copy: str = "whole", offload: bool = False, error_copy: bool = True) -> dict[str, float]:
     """Bytes one rank of a model_sharding='node' run holds after a step (engine/parallel/sharding.py), by
     the categories of ``held_bytes``: the flat layout's formula over the rail (``nodes`` ranks) on
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
@@ -217,7 +218,7 @@ def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: 
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,
                      optimizer_state=optimizer_state, frozen=frozen, grad_bytes=compute_bytes,
-                     step_copy=step_copy, offload=offload)
+                     step_copy=step_copy, offload=offload, error_copy=error_copy)
     if not overlap:
         out["gradients"], out["gathered"] = compute_bytes * float(local), 0.0
     return out
@@ -238,16 +239,19 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
     pt, frozen = shape.trainable, shape.params - shape.trainable
     offload = mode.offload == "cpu"  # the state in host memory: step_copy auto is then whole (on the host)
     copy = resolve_step_copy(ws.step_copy, cuda=not offload)  # a GPU's: the planner's memory is per GPU
+    error_copy = resolve_error_after_skip(ws.error_after_skip, cuda=True) == "rollback"
     if mode.sharding == "node":
         held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,
                                   codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e,
-                                  group_size=ws.group_size, frozen=frozen / g, step_copy=copy, offload=offload)
+                                  group_size=ws.group_size, frozen=frozen / g, step_copy=copy, offload=offload,
+                                  error_copy=error_copy)
         return Memory(held["parameters"] + held["gathered"] + fsdp_block_bytes(shape, e), held["gradients"],
                       held["optimizer"] + held["strategy"], held["error_feedback"], held["comm"] + held["temporaries"],
                       held.get("host", 0.0))
     held = held_bytes(pt, world=n, per_node=g, two_level=mode.exchange == "two-level", kept_shards=spec.kept_shards,
                       codec=mode.codec, param_codec=mode.param_codec, compute_bytes=e, group_size=ws.group_size,
-                      frozen=frozen, grad_bytes=ws.grad_bytes(mode), step_copy=copy, offload=offload)
+                      frozen=frozen, grad_bytes=ws.grad_bytes(mode), step_copy=copy, offload=offload,
+                      error_copy=error_copy)
     return Memory(held["parameters"] + held["gathered"], held["gradients"], held["optimizer"] + held["strategy"],
                   held["error_feedback"], held["comm"] + held["temporaries"], held.get("host", 0.0))
 

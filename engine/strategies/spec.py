@@ -19,6 +19,7 @@ from ..core.dtypes import grad_buffers_fp32, gradient_travels_uncompressed
 
 ALIGN = 128  # EngineConfig.align
 STEP_COPIES = ("auto", "whole", "piece")  # EngineConfig step_copy
+ERROR_AFTER_SKIP = ("auto", "rollback", "reset")  # EngineConfig error_after_skip
 
 
 def resolve_step_copy(step_copy: str, cuda: bool, optimizer: str = "adamw") -> str:
@@ -31,6 +32,19 @@ def resolve_step_copy(step_copy: str, cuda: bool, optimizer: str = "adamw") -> s
     if step_copy == "auto":
         return "piece" if cuda and optimizer != "muon" else "whole"
     return step_copy
+
+
+def resolve_error_after_skip(setting: str, cuda: bool) -> str:
+    """'rollback' or 'reset': what a skipped step does to the gradient codec's error feedback
+    (EngineConfig error_after_skip). rollback restores the error from a copy taken at the step's
+    start (a second error state: 1 + 4/g bytes per value); reset zeroes it, as the periodic reset
+    does, and keeps no copy. auto: reset on a GPU, where memory is what runs out and a skipped
+    step is rare (a non-finite gradient), rollback elsewhere."""
+    if setting not in ERROR_AFTER_SKIP:
+        raise ValueError(f"error_after_skip {setting!r}: choose one of {ERROR_AFTER_SKIP}")
+    if setting == "auto":
+        return "reset" if cuda else "rollback"
+    return setting
 
 
 def padded(numel: int, world: int, unit: int) -> int:
@@ -58,6 +72,7 @@ class WireSettings:
     pseudo_grad_bytes: int = 4  # the pseudo-gradient average's dtype bytes (pseudo_grad_dtype)
     grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/core/dtypes.py): auto | float32 | compute
     step_copy: str = "auto"  # EngineConfig step_copy (``resolve_step_copy``): auto | whole | piece
+    error_after_skip: str = "auto"  # EngineConfig error_after_skip (``resolve_error_after_skip``)
 
     def grad_bytes(self, mode) -> int:
         """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,

@@ -5,7 +5,8 @@ groups: flat at N = 2 and 4, two-level at 2 nodes x 2 and x 4 ranks, for zero1, 
 acco+loco4+int4params, fp32 and bf16 compute (grad_dtype auto: bf16 gradient buffers where the
 gradient travels uncompressed, fp32 under a codec), zero1 with fp32 gradient buffers (grad_dtype
 float32), and acco+loco4+int4params with the step proposed into piece-sized scratch (step_copy
-'piece', what auto takes on a GPU), on the torch path (the one a GPU runs)."""
+'piece', what auto takes on a GPU), acco+loco4 with no rollback copy of the error
+(error_after_skip 'reset', auto on a GPU), on the torch path (the one a GPU runs)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ MODES = {
     # the step proposed into piece-sized scratch (three master slots, one of moments), not a spare
     "acco+loco4+int4params, step_copy=piece in 5 pieces": dict(strategy="acco", codec="loco4", param_codec="int4",
                                                              step_copy="piece", comm_chunks=5),
+    # no rollback copy of the error (what auto takes on a GPU)
+    "acco+loco4, error_after_skip=reset": dict(strategy="acco", codec="loco4", error_after_skip="reset"),
 }
 DTYPES = {"float32": 4, "bfloat16": 2}
 EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
@@ -77,6 +80,7 @@ def _check(results, world: int, per_node: int, two_level: bool):
                                  kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
                                  param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
                                  chunks=chunks, backend="gloo", step_copy=kw.get("step_copy", "whole"),
+                                 error_copy=kw.get("error_after_skip", "rollback") == "rollback",
                                  grad_bytes=4 if kw.get("grad_dtype") == "float32" or "codec" in kw else DTYPES[dtype])
         got_total, want_total = sum(held.values()) + temps, sum(want.values())
         rows.append(f"{dtype} {name}: held {got_total / padded:.2f} B/param, formula {want_total / padded:.2f}; "

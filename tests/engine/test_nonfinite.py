@@ -36,7 +36,7 @@ def state_snapshot(engine: Engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def poisoned_run(rank: int, world: int, strategy: str, codec: str, batch_index: int):
+def poisoned_run(rank: int, world: int, strategy: str, codec: str, batch_index: int, after_skip: str = "rollback"):
     """Step one at a time; record everything the step may have changed, and the warnings."""
     records: list[str] = []
 
@@ -45,7 +45,8 @@ def poisoned_run(rank: int, world: int, strategy: str, codec: str, batch_index: 
             records.append(record.getMessage())
     logging.getLogger("acco_loco").addHandler(Keep())
     cfg = EngineConfig(strategy=strategy, codec=codec, micro_batches=2, accumulation="fixed",
-                       max_steps=STEPS, lr=1e-2, align=8, group_size=8, nan_policy="skip")
+                       max_steps=STEPS, lr=1e-2, align=8, group_size=8, nan_policy="skip",
+                       error_after_skip=after_skip)
     engine = Engine(tiny_model(0), cfg, nan_on(1, rank, batch_index))
     it = iter(worker_stream(rank, 100))
     snaps, history = [state_snapshot(engine)], []
@@ -53,8 +54,9 @@ def poisoned_run(rank: int, world: int, strategy: str, codec: str, batch_index: 
         history += engine.fit(it, steps=1)
         snaps.append(state_snapshot(engine))
     opt_steps = engine.shard_state.step
+    marked = engine.grads.feedback.marked if engine.grads.feedback is not None else None
     engine.close()
-    return {"snaps": snaps, "history": history, "opt_steps": opt_steps, "warnings": records}
+    return {"snaps": snaps, "history": history, "opt_steps": opt_steps, "warnings": records, "marked": marked}
 
 
 # rank 1's 5th micro-batch is the estimate half of step 2 under acco (rounds of 2 micro-batches,
@@ -80,6 +82,28 @@ def test_nan_skips_the_whole_step_everywhere(strategy, codec, batch_index):
         assert any("step 2 skipped" in w and "rank(s) [1]" in w for w in res["warnings"]), res["warnings"]
     for a, b in zip(results[0]["snaps"], results[1]["snaps"]):
         assert torch.equal(a["params"], b["params"])  # replicas stay identical
+
+
+@pytest.mark.parametrize("strategy, batch_index", [("acco", 5), ("acco", 7), ("zero1", 3)])
+def test_reset_after_skip_zeroes_the_error_and_keeps_no_copy(strategy, batch_index):
+    """error_after_skip='reset' (auto on a GPU): the skipped step leaves the optimizer as it was
+    and the error at zero on every rank (the periodic reset's state), and no copy of the error
+    was ever taken."""
+    results = spawn(poisoned_run, 2, strategy, "loco4", batch_index, "reset")
+    for rank, res in enumerate(results):
+        assert [h["step"] for h in res["history"] if h["skipped"]] == [2], rank
+        assert res["marked"] is False
+        before, after = res["snaps"][1], res["snaps"][2]
+        assert any(k.startswith("fb.") and not torch.equal(v, after[k]) for k, v in before.items())
+        for key in before:
+            if key.startswith("fb."):
+                continue
+            assert torch.equal(before[key], after[key]), (rank, key)
+        assert (after["fb.e_codes"] == 128).all() and (after["fb.e_scales"] == 0).all()  # q = 0: e = 0
+        assert torch.isfinite(res["snaps"][-1]["params"]).all()
+        assert not torch.equal(res["snaps"][2]["params"], res["snaps"][3]["params"])
+    for a, b in zip(results[0]["snaps"], results[1]["snaps"]):
+        assert torch.equal(a["params"], b["params"])
 
 
 def overflowing_run(rank: int, world: int, param_codec: str, policy: str):
