@@ -45,7 +45,8 @@ optimizer, g = codec group, G = ranks per node:
                       codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
     whole             37 + 4/N fp32, 33 + 4/N bf16 with bf16 gradient buffers, 2 (e_g - e) more with
-                      fp32 ones (after the freeze: m, v_T, e_w whole)
+                      fp32 ones (after the freeze: m, v_T, e_w whole); model sharded over the node: all
+                      but the 4/N of it over G, one gradient buffer, and FSDP2's blocks
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
@@ -260,6 +261,11 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     e, n = ws.compute_bytes, layout.world
     pt, frozen = shape.trainable, shape.params - shape.trainable
     per = (37 if e == 4 else 33) + 4 / n
+    if mode.sharding == "node":  # the same state on the rank's local shards, 1/G (a formula: not yet held
+        # against the runtime's accounting): e/G parameters, e/G gathered, one e/G gradient buffer, FSDP2's blocks
+        g = layout.ranks_per_node
+        return Memory(2 * e * pt / g + e * frozen / g + fsdp_block_bytes(shape, e), e * pt / g, 0.0,
+                      (per - 4 / n - 4 * e) * pt / g + 4 * pt / n)
     return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, (per - 4 * e) * pt)
 
 
