@@ -53,6 +53,14 @@ def _nodes_of(ctx: RoundContext) -> TwoLevelGrads | None:
     return ctx.grads if isinstance(ctx.grads, TwoLevelGrads) else None
 
 
+def _rail_of(ctx: RoundContext):
+    """model_sharding='node': the comm thread's rail group, whose M ranks are 1-bit Adam's workers,
+    each with its FSDP2 local shards (already the node's gradient sum) as the whole buffer; None
+    otherwise."""
+    dims = getattr(ctx, "dims", None)
+    return dims.comm("rail") if dims is not None and dims.kind == "node_sharded" else None
+
+
 @dataclass
 class CompressedState:
     """What the compressed stage keeps per worker (full size unless said)."""
@@ -77,9 +85,10 @@ class OnebitAdam(ShardedStrategy):
     # two-level: a node is one 1-bit Adam worker; each rank keeps its slice of the state and its
     # rail carries the 1-bit rows (docs/nodes.md, "1-bit Adam over the rails")
     two_level = True
-    # its compressed stage keeps momentum, variance and errors on a node's slices of the whole
-    # buffer, not yet on FSDP2's local shards
-    node_sharding_refused = "its 1-bit stage keeps its state on slices of the whole parameter buffer"
+    # model_sharding='node': a node is one worker too, its ranks' local shards its buffer, the rail
+    # carries the 1-bit rows (docs/onebit_adam.md)
+    node_sharding_refused = None
+    gathered_is_state = True  # the compressed stage's parameters (often its master) live in ctx.gather_buf
     whole_matrices_refused = "its compressed stage is 1-bit Adam's own update, not the shard optimizer's"
     offload_refused = "its compressed stage keeps whole-buffer state on the device and steps it itself"
     # the server error is each owner's; momentum, the frozen variance and mask every replica's alike
@@ -150,8 +159,10 @@ class OnebitAdam(ShardedStrategy):
 
     def _freeze(self, ctx: RoundContext) -> None:
         """Gather m, v (and the master when the parameters are not it) once; start the errors at 0."""
-        comm, shard = ctx.comm, ctx.shard_state
+        comm, shard, rail = ctx.comm, ctx.shard_state, _rail_of(ctx)
         padded, dev = ctx.flat.padded, ctx.gather_buf.device
+        if rail is not None:  # the shards are the rail's chunks of this rank's local buffer
+            comm = rail
 
         def whole(part: torch.Tensor) -> torch.Tensor:
             return comm.all_gather(part, torch.empty(padded, dtype=torch.float32, device=dev))
@@ -172,8 +183,9 @@ class OnebitAdam(ShardedStrategy):
     def _bind_shard(self, ctx: RoundContext, step: int) -> None:
         """The shard state (the same object) becomes views of the whole tensors (no second copy;
         its spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
-        st, size, nodes = self.state, ctx.flat.shard_size, _nodes_of(ctx)
-        lo = ctx.comm.rank * size  # in a whole tensor; in a slice, the shard is the node's chunk
+        st, size, nodes, rail = self.state, ctx.flat.shard_size, _nodes_of(ctx), _rail_of(ctx)
+        lo = (ctx.comm if rail is None else rail).rank * size  # in a whole tensor (a local buffer);
+        # in a slice, the shard is the node's chunk
         at = lo if nodes is None else nodes.layout.node * size
         master = st.master[at:at + size] if st.master is not None else ctx.gather_buf[lo:lo + size]
         ctx.shard_state.rebind(master, st.momentum[at:at + size], st.variance[at:at + size], step)
@@ -184,7 +196,10 @@ class OnebitAdam(ShardedStrategy):
         full = ctx.flat.grads[req.grad_index]
         before, phases, t = comm.bytes_sent, {}, time.perf_counter()
         # the workers of 1-bit Adam: the ranks (flat), or the nodes, each rank its slice (two-level)
+        # or its local shards (model_sharding='node')
+        rail = _rail_of(ctx)
         n = comm.world_size if nodes is None else nodes.layout.nodes
+        n = n if rail is None else rail.world_size
         numel = full.numel() if nodes is None else full.numel() // nodes.layout.ranks_per_node
         if self._buf is None or self._buf.numel() != numel:
             self._buf = torch.empty(numel, dtype=torch.float32, device=full.device)
@@ -218,8 +233,9 @@ class OnebitAdam(ShardedStrategy):
     def _step(self, ctx: RoundContext, lr: float, phases: dict) -> bool:
         """Exchange the compressed momentum (u_w in self._buf) and step; False when the new
         parameters are not finite (then nothing was installed)."""
-        st, codec, spec, nodes = self.state, self.codec, ctx.spec, _nodes_of(ctx)
+        st, codec, spec, nodes, rail = self.state, self.codec, ctx.spec, _nodes_of(ctx), _rail_of(ctx)
         comm = ctx.comm if nodes is None else nodes.rail  # two-level: the 1-bit rows go over the rail
+        comm = comm if rail is None else rail  # and under model sharding
         n, size = comm.world_size, ctx.flat.shard_size
         lo, hi = comm.rank * size, (comm.rank + 1) * size  # this rank's shard in what it keeps
         t = time.perf_counter()
@@ -247,6 +263,8 @@ class OnebitAdam(ShardedStrategy):
         bad = nonfinite_flag(new)
         if nodes is not None:  # the node's ranks decide alike on the whole update
             bad = nodes.node.all_reduce_sum(bad.reshape(1))[0]
+        elif rail is not None:
+            bad = ctx.dims.comm("node").all_reduce_sum(bad.reshape(1))[0]
         finite = not bool(to_host(bad))  # the same bytes on every replica: the same verdict
         if finite:
             st.momentum, self._buf = momentum, st.momentum  # the old momentum is the next round's buffer

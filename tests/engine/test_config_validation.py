@@ -239,7 +239,6 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"ranks_per_node": 0}, "ranks_per_node must be"),
     ({"model_sharding": "rows"}, "unknown model_sharding 'rows'"),
     ({"model_sharding": "node", "topology": "flat"}, "it needs topology='auto' or 'two_level', not 'flat'"),
-    ({"model_sharding": "node", "strategy": "onebit_adam"}, "does not run with model_sharding='node' yet"),
     ({"activation_checkpointing": 1}, "activation_checkpointing must be True or False"),
     ({"checkpoint_dir": ""}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got ''"),
     ({"checkpoint_dir": 123}, "checkpoint_dir must be None or a non-empty path (a str or os.PathLike), got 123"),

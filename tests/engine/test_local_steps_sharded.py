@@ -255,3 +255,53 @@ def test_sharded_local_sgd_matches_one_worker_per_node(m, g):
     assert not torch.equal(sharded[0]["snaps"][1], sharded[g]["snaps"][1])
     assert all(torch.equal(s["snaps"][3], sharded[0]["snaps"][3]) for s in sharded)
     assert sum(sharded[r]["local"] for r in range(g)) == sharded[0]["snaps"][0].numel()
+
+
+ONEBIT_STEPS = 6  # 2 AdamW steps of warmup, then 4 compressed ones
+
+
+def _onebit(rank: int, world: int, directory: str) -> dict:
+    """1-bit Adam node-sharded and unsharded (two-level) on grouped_model (every weight's rows cut
+    into whole 128-value sign groups under both layouts); and a resume across the freeze."""
+    from tests.engine.test_model_sharding import grouped_model
+
+    def cfg(sharding: str, steps: int = ONEBIT_STEPS) -> EngineConfig:
+        return EngineConfig(strategy="onebit_adam", lr=1e-2, micro_batches=1, accumulation="fixed", max_steps=steps,
+                            onebit_warmup_steps=2, topology="two_level", model_sharding=sharding)
+
+    out = {}
+    for sharding in ("node", "none"):
+        engine = Engine(grouped_model(), cfg(sharding), mse_loss)
+        it, snaps, losses = iter(worker_stream(rank, ONEBIT_STEPS + 1)), [], []
+        for _ in range(ONEBIT_STEPS):
+            losses += [h["loss"] for h in engine.fit(it, steps=1)]
+            snaps.append(whole_params(engine.model))
+        out[sharding] = {"snaps": snaps, "loss": losses, "frozen": engine.strategy.state is not None,
+                         "state": engine.strategy.state.momentum.numel(), "kind": engine.topology}
+        engine.close()
+    data = worker_stream(rank, ONEBIT_STEPS + 1)
+    first = Engine(grouped_model(), cfg("node", 3), mse_loss)
+    first.fit(iter(data))
+    first.save(directory)
+    first.close()
+    model = grouped_model(seed=7)
+    resumed = Engine.load(directory, model, cfg("node"), mse_loss)
+    resumed.fit(itertools.islice(iter(data), resumed.consumed, None))
+    out["resumed_equal"] = torch.equal(whole_params(model), out["node"]["snaps"][-1])
+    resumed.close()
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_onebit_adam_matches_the_unsharded_run_and_resumes(tmp_path):
+    runs = spawn(_onebit, 4, str(tmp_path / "ckpt"), env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)
+    whole = runs[0]["node"]["snaps"][0].numel()
+    for r, run in enumerate(runs):
+        got, want = run["node"], run["none"]
+        assert got["kind"] == "node_sharded" and got["frozen"] and want["frozen"]
+        for t in range(ONEBIT_STEPS):
+            assert torch.equal(got["snaps"][t], runs[0]["node"]["snaps"][t]), (r, t)  # every rank alike
+            assert torch.equal(got["snaps"][t], want["snaps"][t]), (r, t)  # bit for bit: 2 ranks, 1 micro-batch
+        assert got["loss"] == want["loss"], r
+        assert got["state"] <= whole // 2 + 2 * 128  # the compressed stage's state: the local shards, 1/G
+        assert run["resumed_equal"], r
