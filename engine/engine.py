@@ -234,7 +234,7 @@ class Engine:
         (it must lie beyond the saved step)."""
         opened = checkpoint_load.open_checkpoint(directory, model, cfg, loss_fn, max_steps)
         try:
-            engine = cls(model, opened.cfg, loss_fn)
+            engine = cls(model, opened.cfg, loss_fn, weights=opened.weights)  # a meta model: read from the checkpoint
             error: Exception | None = None
             try:
                 engine.load_state_dict(*opened.rank_state(engine.rank, engine.world_size,

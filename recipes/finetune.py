@@ -358,9 +358,9 @@ def check_report_to(cfg: FinetuneConfig) -> None:
 
 def sliced_folder(cfg: FinetuneConfig) -> Path | None:
     """The save_pretrained folder each rank reads only its own slices of (engine/core/loading.py):
-    --model a local folder with config.json under --model-sharding node, on a fresh start (a
-    --resume loads the checkpoint's whole model); None otherwise."""
-    if cfg.model_sharding != "node" or cfg.resume or cfg.model in (TINY_MODEL, "default"):
+    --model a local folder with config.json under --model-sharding node (the model is built on the
+    meta device; a --resume reads each rank's rows of the checkpoint's model instead); None otherwise."""
+    if cfg.model_sharding != "node" or cfg.model in (TINY_MODEL, "default"):
         return None
     folder = Path(cfg.model).expanduser()
     return folder if (folder / "config.json").is_file() else None

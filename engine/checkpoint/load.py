@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..config import STRUCTURAL_FIELDS, EngineConfig
 from ..core.context import start_process_group, trainable_parameters
+from ..core.loading import default_device, on_meta
 from ..core.loss import default_loss
 from ..parallel.dims import load_group
 from . import peers as peers
@@ -56,6 +57,7 @@ class OpenCheckpoint:
     info: dict  # engine.json
     cfg: EngineConfig  # the run's configuration (the checkpoint's, or the caller's, checked)
     scratch: Path | None  # files received from peers (engine/checkpoint/peers.py), removed by close()
+    weights: Path | None = None  # a model built on the meta device: each rank reads its values here at start
 
     @property
     def checked(self) -> bool:
@@ -93,7 +95,9 @@ def open_checkpoint(directory, model: torch.nn.Module, cfg: EngineConfig | None,
                     max_steps: int | None = None) -> OpenCheckpoint:
     """Every rank of the run calls it. With several ranks, the ranks agree on the checkpoint and a
     rank gets the files its disk lacks from live peers (engine/checkpoint/peers.py)."""
-    device, rank, world = start_process_group(trainable_parameters(model), cfg or EngineConfig())
+    meta = on_meta(model)  # its values are read at engine start, each rank its own (engine/core/loading.py)
+    device, rank, world = start_process_group(trainable_parameters(model), cfg or EngineConfig(),
+                                              default_device() if meta else None)
     if world == 1:
         path, scratch = directory, None
     else:
@@ -105,11 +109,15 @@ def open_checkpoint(directory, model: torch.nn.Module, cfg: EngineConfig | None,
     try:
         path = resolve(path)
         info, cfg = _read_info(path, cfg, loss_fn, max_steps)
-        load_model(model, path / "model.safetensors", required=info.get(CHECKSUMS) is not None)
+        if not meta:
+            load_model(model, path / "model.safetensors", required=info.get(CHECKSUMS) is not None)
+        elif rank == 0 and info.get(CHECKSUMS) is not None:
+            log.warning("the model is on the meta device: each rank reads only its rows of %s, so that file's "
+                        "per-tensor checksums are not checked (the rank files' are)", path / "model.safetensors")
     except BaseException:
         peers.remove_scratch(scratch)
         raise
-    return OpenCheckpoint(path, info, cfg, scratch)
+    return OpenCheckpoint(path, info, cfg, scratch, path if meta else None)
 
 
 def _lost_peer(what: str) -> RuntimeError:

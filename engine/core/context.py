@@ -24,7 +24,7 @@ from ..strategies import shard_groups
 from .dtypes import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
 from .flat import FlatParams
 from .loading import WeightsLoad, pretrained_engine, start_weights  # noqa: F401 (pretrained_engine: Engine's)
-from .rounds import RoundContext
+from .rounds import RoundContext, gather_buffer
 
 log = logging.getLogger("acco_loco")
 
@@ -64,8 +64,7 @@ def start_process_group(named: list, cfg, device: torch.device | None = None) ->
     device = device if device is not None else named[0][1].device
     if device.type == "meta":
         raise ValueError("the model is on the meta device (no values): Engine(model, cfg, weights=<a save_pretrained "
-                         "folder>) or Engine.from_pretrained(folder, cfg) has every rank read its own; a checkpoint "
-                         "(Engine.load) needs the model built with values")
+                         "folder>) or Engine.from_pretrained(folder, cfg) has every rank read its own")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif cfg.keep_cpu_memory:
@@ -166,4 +165,4 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
     matrices = flat.matrices_in(dims.rank)  # the strategies Muon runs with own shard ``rank``
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=spec, shard_state=init_state(owned, spec, matrices),
                         grads=grads,
-                        params=params, gather_buf=flat.data.clone(), dims=dims)  # what every replica holds
+                        params=params, gather_buf=gather_buffer(flat, strategy), dims=dims)  # (None: the gradient's)

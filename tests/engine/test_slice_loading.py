@@ -68,8 +68,9 @@ def file_bytes(folder) -> tuple[int, int]:
 
 
 def config(strategy: str, sharding: str, **kw) -> EngineConfig:
-    return EngineConfig(strategy=strategy, lr=1e-3, micro_batches=1, accumulation="fixed", max_steps=STEPS,
-                        model_sharding=sharding, **kw)
+    kw = {"max_steps": STEPS, **kw}
+    return EngineConfig(strategy=strategy, lr=1e-3, micro_batches=1, accumulation="fixed", model_sharding=sharding,
+                        **kw)
 
 
 def _train(engine: Engine, rank: int) -> list[float]:
@@ -135,8 +136,6 @@ def test_refusals_name_the_problem(tmp_path):
         Engine(causal_lm_on_meta(folder), config("zero1", "none"), weights=tmp_path / "nowhere")
     with pytest.raises(ValueError, match="strategy='auto'.*name the strategy"):
         Engine(causal_lm_on_meta(folder), config("auto", "node"), weights=folder)
-    with pytest.raises(ValueError, match=r"a checkpoint \(Engine.load\) needs the model built with values"):
-        Engine.load(tmp_path / "no-checkpoint", causal_lm_on_meta(folder))
     with pytest.raises(ValueError, match="device= places a model built on the meta device"):
         Engine(eager_model(folder), config("zero1", "none"), device="cpu")
 
@@ -194,6 +193,45 @@ def test_node_sharded_ranks_read_only_their_rows(tmp_path):
     assert runs[0]["losses"]["zero1"][0] == runs[2]["losses"]["zero1"][0]  # every rank reports the step's loss
 
 
+def _resume(rank: int, world: int, folder: str, ckpt: str, g: int):
+    """acco at 2 x 2 node-sharded from the folder: 4 steps at once, and 2 steps, a checkpoint, and
+    Engine.load into a model built on the meta device (each rank reads its rows of the
+    checkpoint's model.safetensors) for 2 more."""
+    cfg = config("acco", "node", topology="two_level", max_steps=4)
+    stream = lm_stream(rank, 40)
+    whole = Engine.from_pretrained(folder, cfg)
+    whole.fit(iter(stream))
+    out = {"whole": [h["loss"] for h in whole.history],
+           "whole_local": [p.to_local().clone() for p in whole.model.parameters()]}
+    whole.close()
+    first = Engine.from_pretrained(folder, cfg)
+    first.fit(iter(stream), steps=2)
+    first.save(ckpt)
+    out["resumed"] = [h["loss"] for h in first.history]
+    first.close()
+    again = Engine.load(ckpt, causal_lm_on_meta(folder))
+    again.fit(iter(stream[again.consumed:]))
+    out["resumed"] += [h["loss"] for h in again.history]
+    out["resumed_local"] = [p.to_local().clone() for p in again.model.parameters()]
+    out["read"], out["checkpoint_file"] = again.weights.bytes_read, str(again.weights.folder)
+    again.close()
+    return out
+
+
+@pytest.mark.slow
+def test_node_sharded_resume_reads_each_ranks_rows_of_the_checkpoint(tmp_path):
+    folder = save_folder(tmp_path / "llama")
+    runs = spawn(_resume, 4, str(folder), str(tmp_path / "ckpt"), 2, env={"LOCAL_WORLD_SIZE": "2"})
+    total, row = file_bytes(folder)
+    with SliceReader(folder) as reader:
+        n_tensors = len(reader.names())
+    for rank, run in enumerate(runs):
+        assert len(run["whole"]) == 4 and run["resumed"] == run["whole"], rank
+        assert all(torch.equal(a, b) for a, b in zip(run["resumed_local"], run["whole_local"], strict=True)), rank
+        assert run["read"] <= total / 2 + n_tensors * row, (rank, run["read"])  # its rows of model.safetensors
+        assert "ckpt" in run["checkpoint_file"]
+
+
 def _flat(rank: int, world: int, folder: str):
     eager = eager_model(folder)
     out = {"losses": {}}
@@ -249,33 +287,43 @@ def _recipe(args: list[str]) -> str:
 
 @pytest.mark.slow
 def test_the_recipe_reads_each_ranks_slices_and_trains_as_the_eager_load(tmp_path):
-    """recipes/finetune.py --model-sharding node --model FOLDER at 1 node x 2 ranks: each rank read
-    half the folder, and the train losses are those of the same run loaded whole without sharding
-    (within float32 summation order: FSDP2 sums the node's gradients per micro-batch)."""
+    """recipes/finetune.py --model-sharding node --model FOLDER at 1 node x 2 ranks, 2 steps and a
+    --resume to 3 (the model built on the meta device both times, the resume reading each rank's
+    rows of the checkpoint's model): each rank read half the folder, and the train and held-out
+    losses are those of the same run loaded whole without sharding (within float32 summation
+    order: FSDP2 sums the node's gradients per micro-batch)."""
     from tests.texts import text_folder
 
     folder = save_folder(tmp_path / "model")
     byte_tokenizer_folder(folder)
     data = text_folder(tmp_path / "text")
     common = ["--model", str(folder), "--dataset", str(data), "--seq-len", "16", "--micro-batch-size", "2",
-              "--train-layers", "1", "--eval-batches", "2", "--max-steps", "3", "--checkpoint-every", "0",
+              "--train-layers", "1", "--eval-batches", "2", "--checkpoint-every", "0",
               "--strategy", "acco", "--codec", "none", "--param-codec", "float32", "--compute-dtype", "float32",
               "--timeout-s", "60"]
-    log = _recipe(common + ["--model-sharding", "node", "--output-dir", str(tmp_path / "sliced")])
-    assert "each rank read its own slices" in log
-    _recipe(common + ["--output-dir", str(tmp_path / "whole")])
+    sliced = ["--model-sharding", "node", "--output-dir", str(tmp_path / "sliced")]
+    assert "each rank read its own slices" in _recipe(common + sliced + ["--max-steps", "2"])
     total, row = file_bytes(folder)
     with SliceReader(folder) as reader:
         n_tensors = len(reader.names())
-    memory = json.loads((tmp_path / "sliced" / "memory.json").read_text())["ranks"]
-    for rank in memory:
+    for rank in json.loads((tmp_path / "sliced" / "memory.json").read_text())["ranks"]:
         assert rank["weights_bytes_read"] <= total / 2 + n_tensors * row, rank
         assert rank["weights_held_bytes"] <= total / 2 + n_tensors * row, rank
+    assert "resumed at step 2" in _recipe(common + sliced + ["--max-steps", "3", "--resume"])
+    for rank in json.loads((tmp_path / "sliced" / "memory.json").read_text())["ranks"]:
+        assert rank["weights_bytes_read"] <= total / 2 + n_tensors * row, rank  # the checkpoint's rows
+    _recipe(common + ["--max-steps", "3", "--output-dir", str(tmp_path / "whole")])
     assert json.loads((tmp_path / "whole" / "memory.json").read_text())["ranks"][0]["weights_bytes_read"] is None
 
     def losses(run):
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        return [r["loss"] if r["kind"] == "train" else r["eval_loss"] for r in rows]
+        return ({r["step"]: r["loss"] for r in rows if r["kind"] == "train"},
+                {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval"})
 
-    assert len(losses("sliced")) == 3 + 2
-    assert losses("sliced") == pytest.approx(losses("whole"), rel=1e-6)
+    (train_s, eval_s), (train_w, eval_w) = losses("sliced"), losses("whole")
+    # the sliced run also evaluates at step 2 (after its first part, and before the resumed one)
+    assert sorted(train_s) == sorted(train_w) == [1, 2, 3] and sorted(eval_s) == [0, 2, 3] and sorted(eval_w) == [0, 3]
+    for step in train_w:
+        assert train_s[step] == pytest.approx(train_w[step], rel=1e-6), step
+    for step in eval_w:
+        assert eval_s[step] == pytest.approx(eval_w[step], rel=1e-6), step
