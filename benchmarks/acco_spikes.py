@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, spec: dict, overrides: dict, stop_steps: int)
         d[section][key] = value
     cfg = EngineConfig.from_dict(d)
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
-    flat, ctx, strategy = engine.flat, engine.ctx, engine.strategy
+    flat, strategy = engine.flat, engine.strategy
     beta2 = cfg.betas[1]
     # index tensors of each kind / block over the flat buffer (padding belongs to none)
     groups = {}
@@ -120,7 +120,7 @@ def _worker(rank: int, world: int, spec: dict, overrides: dict, stop_steps: int)
     def norms(v: torch.Tensor) -> dict:
         return {g: float(v[i].norm()) for g, i in idx.items()}
 
-    committed = ctx.gather_buf.detach().clone()  # theta_0: every replica's parameters
+    committed = flat.data.detach().clone()  # theta_0: every replica's parameters
     last_estimate = None  # thetatilde_{t+1}, this step's estimate
     rounds: list[dict] = []
     run_round = strategy.run_round
@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, spec: dict, overrides: dict, stop_steps: int)
         del g
         res = run_round(ctx_, req)
         row.update(lr=res.lr, grad_norm=res.grad_norm, loss=res.loss, skipped=res.skipped)
-        new = ctx_.gather_buf
+        new = res.gathered  # where the round gathered (its reduced gradient buffer, or ctx.gather_buf)
         delta = new - committed
         unit = res.lr * math.sqrt(n_all)
         row["step_rms_lr"] = float(delta.norm()) / unit

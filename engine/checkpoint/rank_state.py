@@ -59,7 +59,8 @@ def restore_state(ctx: RoundContext, strategy, counters: EngineState, accumulati
                          f"{flat.numel}: same model, same trainable parameters and align are needed")
     ctx.shard_state.load_state_dict(_named(tensors, "opt."), {"step": meta["opt_step"]})
     with torch.no_grad():
-        flat.read_into(ctx.gather_buf)  # (first: a node-sharded zero1 gathers into its gradient buffer)
+        if ctx.gather_buf is not None:  # None: each round gathers into its reduced gradient buffer, refilled then
+            flat.read_into(ctx.gather_buf)  # (first: a node-sharded zero1 gathers into its gradient buffer)
         flat.grads[flat.active].copy_(tensors["pending_grad"])
     ctx.grads.load_state_dict(tensors, where)
     torch.set_rng_state(tensors["rng_cpu"].cpu())

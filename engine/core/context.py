@@ -24,7 +24,7 @@ from ..strategies import shard_groups
 from .dtypes import gradient_travels_uncompressed, resolve_compute_dtype, resolve_grad_dtype
 from .flat import FlatParams
 from .loading import WeightsLoad, pretrained_engine, start_weights  # noqa: F401 (pretrained_engine: Engine's)
-from .rounds import RoundContext
+from .rounds import RoundContext, gather_buffer
 
 log = logging.getLogger("acco_loco")
 
@@ -165,4 +165,4 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
     matrices = flat.matrices_in(dims.rank)  # the strategies Muon runs with own shard ``rank``
     return RoundContext(cfg=cfg, comm=comm, flat=flat, spec=spec, shard_state=init_state(owned, spec, matrices),
                         grads=grads,
-                        params=params, gather_buf=flat.data.clone(), dims=dims)  # what every replica holds
+                        params=params, gather_buf=gather_buffer(flat, strategy), dims=dims)  # (None: the gradient's)

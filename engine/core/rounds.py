@@ -57,6 +57,9 @@ class RoundResult:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     skip_reason: str = ""  # why a skipped step was skipped, for the warning
     micro_batch_s: list[float] | None = None  # every rank's RoundRequest.micro_batch_s (all-reduced)
+    # the full parameters this round gathered, for the loop to install (None: ctx.gather_buf); a
+    # view of the round's gradient buffer where the context keeps no buffer of its own
+    gathered: torch.Tensor | None = None
 
 
 def squared_norm_f64(x: torch.Tensor) -> torch.Tensor:
@@ -112,5 +115,39 @@ class RoundContext:
     shard_state: ShardState  # this worker's fp32 master shard and optimizer moments
     grads: GradReducer
     params: ParamGatherer
-    gather_buf: torch.Tensor  # the full parameters every replica holds after the last round
+    # the full parameters every replica holds after the last round, in a buffer of their own; None:
+    # each round gathers into the gradient buffer it has just reduced (``gather_target``)
+    gather_buf: torch.Tensor | None
     dims: ParallelDims | None = None  # the layout and the engine's groups (None: a round built by hand)
+
+    def gather_target(self, grad_index: int) -> torch.Tensor:
+        """Where the round that reduces gradient buffer ``grad_index`` gathers the new parameters:
+        ``gather_buf``, or that gradient buffer itself once the reducer has read it, seen as the
+        compute dtype (its first bytes when the gradient dtype is wider: an fp32 buffer holds
+        bf16 parameters in its first half)."""
+        if self.gather_buf is not None:
+            return self.gather_buf
+        return compute_view(self.flat.grads[grad_index], self.flat.dtype)
+
+
+def compute_view(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A whole padded gradient buffer's storage as ``grads.numel()`` values of ``dtype`` (no
+    copy); ``dtype`` must be no wider than the buffer's."""
+    if grads.dtype == dtype:
+        return grads
+    if dtype.itemsize > grads.dtype.itemsize:
+        raise ValueError(f"a {grads.dtype} gradient buffer cannot hold {dtype} parameters: keep a gather buffer")
+    return grads.view(torch.uint8)[:grads.numel() * dtype.itemsize].view(dtype)
+
+
+def gather_buffer(flat: FlatParams, strategy) -> torch.Tensor | None:
+    """The context's ``gather_buf`` for a run on ``flat``: None (its rounds gather into the
+    gradient buffer each has just reduced: a sharded strategy's, docs/design/zero1.md) where the
+    gradient dtype is at least as wide as the parameters'; else a copy of the parameters, the
+    buffer every replica's values live in between rounds (also for a strategy whose parameters
+    are its state there, ``gathered_is_state``, and for one whose rounds do not gather into a
+    gradient buffer, ``gathers_into_gradients`` false: the local-step strategies)."""
+    into_grads = getattr(strategy, "gathers_into_gradients", False) and not getattr(strategy, "gathered_is_state", False)
+    if into_grads and flat.grads[0].dtype.itemsize >= flat.dtype.itemsize:
+        return None
+    return flat.read_into(torch.empty_like(flat.grads[0], dtype=flat.dtype))

@@ -4,7 +4,9 @@ boundary submits the accumulated gradient as a round; a round that commits is a 
 At a boundary the compute side waits for the round in flight (in the batch-growing mode it kept
 accumulating until that round was done), installs the parameters it gathered, submits the
 gradients it just accumulated as the next round and goes on accumulating into the other buffer
-(with overlap), or waits for the round it submitted (without).
+(with overlap), or waits for the round it submitted (without). A sharded round gathers into the
+gradient buffer it has reduced (``RoundContext.gather_target``): the install reads it before the
+next submit hands that buffer back to compute, which zeroes it.
 """
 
 from __future__ import annotations
@@ -58,10 +60,19 @@ class ShardedLoop(RoundLoop):
         """Wait for a round, install its parameters, record a committed step; True to stop."""
         p = self.parts
         result = self.wait(handle)
+        gathered = result.gathered if result.gathered is not None else p.ctx.gather_buf
         with torch.no_grad():
-            p.flat.install(p.ctx.gather_buf)
+            # before compute reuses the buffer: a round may have gathered into the gradient buffer
+            # it reduced, which compute zeroes when it next accumulates into it (``submit``)
+            p.flat.install(gathered)
             if len(p.flat.grads) == 1:
                 p.flat.grads[0].zero_()
+            elif p.cfg.poison_freed_buffers and gathered is not p.ctx.gather_buf:
+                # installed: any later read of the freed gradient buffer shows NaN
+                held = gathered.untyped_storage().data_ptr()
+                for buf in p.flat.grads:
+                    if buf.untyped_storage().data_ptr() == held:
+                        buf.fill_(float("nan"))
         self.measure(result)
         self.step_local += result.local_count
         stop = False

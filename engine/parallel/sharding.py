@@ -35,7 +35,7 @@ import torch
 from acco_loco.optim import OptimizerSpec, init_state
 
 from ..core.flat import LocalShards
-from ..core.rounds import RoundContext
+from ..core.rounds import RoundContext, gather_buffer
 from ..strategies import shard_groups
 from .collectives import make_collectives
 from .comm import resolve_chunks
@@ -158,7 +158,7 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
                else local_start_values(whole32, named, sharded, g, layout.local))
     # without overlap the round's gradient buffer is free once reduced: the new parameters are
     # gathered into it (one buffer of the local shards' size for both); with overlap compute
-    # accumulates into a second one meanwhile, and the gather has a buffer of its own
+    # accumulates into a second one meanwhile, and each round gathers into the one it reduced
     one = not strategy.plan.overlap or strategy.plan.local_steps > 0  # local steps read no second buffer
     flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
                        math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2)
@@ -173,5 +173,5 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
                         params=ShardParams(inner_params, node, rail, layout, refresh=flat.read_into if one else None),
                         # (a strategy whose parameters live in it between rounds, local_sgd's, keeps its own)
                         gather_buf=flat.grads[0] if one and not getattr(strategy, "gathered_is_state", False)
-                        else flat.read_into(torch.empty_like(flat.grads[0])),
+                        else gather_buffer(flat, strategy),  # overlap: None, into the reduced one
                         dims=dims)

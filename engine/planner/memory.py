@@ -13,7 +13,9 @@ optimizer, g = codec group, G = ranks per node:
                       round makes (tests/engine/test_memory_accounting.py holds the two against
                       each other). S = P/N the owned shard, V the values the inter-node codec sees
                       (P flat, P/G two-level), c pieces (``Comm.pieces``), w a cast gather's bytes:
-                        2e + 2e_g      parameters, gathered buffer, two gradient buffers
+                        e + 2e_g       parameters, two gradient buffers; a round gathers the new
+                                       parameters into the one it has reduced (+ e, a buffer of
+                                       their own, where e_g < e: float64 parameters, fp32 gradients)
                         24/N           fp32 master and moments, the spare a step is proposed into
                                        (step_copy 'whole'); 'piece': 12/N and piece-sized
                                        scratch, min(c, 3) fp32 master slots and one of moments:
@@ -40,7 +42,7 @@ optimizer, g = codec group, G = ranks per node:
                       rank's local buffer (V = P/G values): e/G parameters (FSDP2's local shards),
                       e/G for the gradient, into which the round then gathers the new parameters
                       (an overlapping strategy: 2e/G gradients, compute accumulating into one while
-                      the round reads the other, and e/G gathered), the optimizer's 24/N + 4/N per
+                      the round reads the other and gathers into it: 3e/G), the optimizer's 24/N + 4/N per
                       kept shard with N = G x M (step_copy 'piece': 12/N and the scratch), the
                       codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
@@ -141,7 +143,7 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     out = {
         "gradients": 2 * ge * p,
         "parameters": e * p + e * frozen,
-        "gathered": e * p,
+        "gathered": e * p if ge < e else 0.0,  # else into the gradient buffer just reduced
         "optimizer": optimizer_state * shard + spare,
         "error_feedback": 0.0,
         "strategy": 4 * shard * kept_shards,  # ACCO's kept estimate half
@@ -213,8 +215,8 @@ def node_sharded_bytes(local: float, *, nodes: int, overlap: bool, kept_shards: 
     the rank's local buffer (``local``: its padded local shards, about P/G), FSDP2's local shards
     in the place of the flat parameters; ``frozen``: this rank's share of the frozen values.
     Without ``overlap`` one buffer holds the gradient and then, once it is reduced, the gathered
-    parameters: e per local value for both (with overlap: two gradient buffers and the gathered
-    one, 3e); gradients in the compute dtype (FSDP2's, engine/core/dtypes.py). Not in it: FSDP2's
+    parameters: e per local value for both (with overlap: two gradient buffers, a round gathering
+    into the one it has reduced, 2e); gradients in the compute dtype (FSDP2's, engine/core/dtypes.py). Not in it: FSDP2's
     unsharded blocks while compute runs (``fsdp_block_bytes``)."""
     out = held_bytes(local, world=nodes, kept_shards=kept_shards, codec=codec, param_codec=param_codec,
                      compute_bytes=compute_bytes, group_size=group_size, chunks=chunks, backend=backend,

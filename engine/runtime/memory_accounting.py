@@ -8,7 +8,9 @@ category, the first category that reaches a storage owning it:
     parameters      the model's parameters and buffers (the trainable ones view the flat buffer;
                     FSDP2's: the local shards of a DTensor), and whatever else the flat buffer holds
     gradients       the flat gradient buffers
-    gathered        the full parameters every replica holds after a round (``gather_buf``)
+    gathered        the full parameters every replica holds after a round, in a buffer of their own
+                    (``gather_buf``); none where a round gathers into the gradient buffer it has
+                    reduced (``RoundContext.gather_target``): those bytes are the gradients'
     optimizer       the owned shard's fp32 master and moments, and the spare a step is proposed into
                     (with optimizer_offload='cpu': the device staging slots only; the state is in
                     host memory, counted by ``host_held_bytes`` and never here)

@@ -39,6 +39,7 @@ from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slic
 from acco_loco.schedule import lr_at
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..parallel.collectives import DeltaParams
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from ..runtime.offload import HostOptimizer
 from .base import Strategy
@@ -69,6 +70,7 @@ class ShardedStrategy(Strategy):
     whole_matrices_refused = None  # an owner steps its whole shard (Muon: whole matrices, acco_loco/matrix_layout.py)
     offload_refused = None  # its state is the shard optimizer's: it may live in host memory (optimizer_offload)
     kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
+    gathers_into_gradients = True  # a round gathers into the gradient buffer it has reduced (RoundContext.gather_target)
     quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
 
     @classmethod
@@ -112,6 +114,7 @@ class ShardedStrategy(Strategy):
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, full = ctx.comm, ctx.flat.grads[req.grad_index]
+        held = ctx.gather_target(req.grad_index)  # ``full`` itself once reduced, or the context's own buffer
         bytes_before, phases = comm.bytes_sent, {}
         if req.first_of_step:
             ctx.grads.begin_step()
@@ -135,10 +138,10 @@ class ShardedStrategy(Strategy):
         # soon as it is done; nothing is written before the whole gather is in and finite
         stepping = not totals.nonfinite and totals.count > 0
         proposal, started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, stepping,
-                                                      self.after_piece(ctx, req), self.offload)
+                                                      self.after_piece(ctx, req), self.offload, held)
         phases["optimizer"] = (t, proposed)
 
-        overflowed = finish_and_install(ctx, req, proposal, self.offload)
+        overflowed = finish_and_install(ctx, req, proposal, self.offload, held)
         if overflowed:
             totals.nonfinite, grad_norm = True, float("nan")
             totals.bad_ranks = sorted(set(totals.bad_ranks) | set(overflowed))
@@ -148,15 +151,16 @@ class ShardedStrategy(Strategy):
         self.keep(req, grad_sum, totals)
         if req.kind is RoundKind.COMMIT:
             ctx.grads.end_step(req.step_index + 1, skipped=totals.nonfinite)
-        if ctx.cfg.poison_freed_buffers and full.data_ptr() != ctx.gather_buf.data_ptr():
+        if ctx.cfg.poison_freed_buffers and full.data_ptr() != held.data_ptr():
             full.fill_(float("nan"))  # any read of a released buffer now shows up as NaN
+        # (a buffer that holds the gathered parameters is poisoned by the loop once it has installed them)
         return RoundResult(
             index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count,
             count=totals.count, samples=totals.samples,
             loss=totals.loss_sum / totals.count if totals.count else float("nan"), lr=lr, grad_norm=grad_norm,
             skipped=totals.nonfinite, empty=totals.count == 0, bad_ranks=totals.bad_ranks,
             exhausted_ranks=totals.exhausted_ranks, bytes_sent=comm.bytes_sent - bytes_before,
-            phases=phases, skip_reason=totals.reason, micro_batch_s=totals.micro_batch_s)
+            phases=phases, skip_reason=totals.reason, micro_batch_s=totals.micro_batch_s, gathered=held)
 
 
 def agree(ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, local_bad: torch.Tensor,
@@ -237,17 +241,22 @@ def step_copy(ctx: RoundContext) -> str:
 
 
 def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_norm: float, lr: float,
-                    stepping: bool, after_piece=None, offload: HostOptimizer | None = None
-                    ) -> tuple[Proposal | None, float, float]:
+                    stepping: bool, after_piece=None, offload: HostOptimizer | None = None,
+                    held: torch.Tensor | None = None) -> tuple[Proposal | None, float, float]:
     """Step each piece of the shard (the mean gradient, clipped to max_grad_norm: propose_step's
     bits, piece by piece) into the whole spare or into piece-sized scratch (``step_copy``) and
     start its all-gather at once; when not ``stepping`` (a skipped or empty step) the unchanged
     master goes out. Returns the proposal (None when not stepping), when the first gather started
     and when the last piece was stepped. ``offload``: the state is in host memory
     (engine/runtime/offload.py): each piece's gradient is stepped from its host copy and its new
-    master reaches the gatherer through a device staging slot."""
+    master reaches the gatherer through a device staging slot. ``held``: where the new parameters
+    are gathered (``RoundContext.gather_target``; None: ctx.gather_buf); a gradient buffer the
+    round has reduced first receives the parameters every replica holds where the gatherer adds
+    deltas onto them (``refresh_held``)."""
     state, comm = ctx.shard_state, ctx.comm
-    pieces = ctx.params.begin(comm, ctx.gather_buf)
+    held = ctx.gather_buf if held is None else held
+    refresh_held(ctx, held)
+    pieces = ctx.params.begin(comm, held)
     proposal, width = None, max(b - a for a, b in pieces)
     if stepping:
         grad = step_sum if offload is None else offload.fetch_gradient(step_sum, pieces)
@@ -284,13 +293,14 @@ def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_
 
 
 def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal | None,
-                       offload: HostOptimizer | None = None) -> list[int]:
-    """Finish the gather into ctx.gather_buf; a commit installs its proposal when all the new
-    shards are finite (the spare as it is, or the step recomputed in place). Returns the ranks
-    whose new parameters were not (then nothing is installed and the unchanged master is
+                       offload: HostOptimizer | None = None, held: torch.Tensor | None = None) -> list[int]:
+    """Finish the gather into ``held`` (None: ctx.gather_buf); a commit installs its proposal when
+    all the new shards are finite (the spare as it is, or the step recomputed in place). Returns
+    the ranks whose new parameters were not (then nothing is installed and the unchanged master is
     gathered again, as a skipped step does)."""
     state = ctx.shard_state
-    overflowed = ctx.params.finish(ctx.comm, ctx.gather_buf)
+    held = ctx.gather_buf if held is None else held
+    overflowed = ctx.params.finish(ctx.comm, held)
     if overflowed:
         # every replica sees the same gathered values, so every rank takes this branch
         if ctx.cfg.nan_policy == "stop":
@@ -299,10 +309,24 @@ def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal 
                 f"{req.step_index + 1}) on the shard(s) of rank(s) {overflowed}: nothing was installed; "
                 "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
         master = state.master if offload is None else offload.device_master()
-        ctx.params.gather(ctx.comm, master, ctx.gather_buf)
+        ctx.params.gather(ctx.comm, master, held)
     elif proposal is not None and req.kind is RoundKind.COMMIT:
         if proposal.spare is not None:
             state.install(proposal.spare, recycle=True)
         else:
             proposal.restep(ctx)
     return overflowed
+
+
+def refresh_held(ctx: RoundContext, held: torch.Tensor) -> None:
+    """Fill ``held``, a gradient buffer the round has just reduced (``RoundContext.gather_target``),
+    with the parameters every replica holds (the compute side's, installed from the last round
+    and read-only until the next install), when the gatherer adds decoded deltas onto ``held``
+    (param_codec int8/int4); a cast gather overwrites all of it. A node-sharded run without
+    overlap has its gatherer do this (ShardParams' ``refresh``), and a buffer of the context's
+    own keeps them between rounds."""
+    if held is ctx.gather_buf or getattr(ctx.params, "refresh", None) is not None:
+        return
+    if isinstance(getattr(ctx.params, "inner", ctx.params), DeltaParams):
+        with torch.no_grad():
+            ctx.flat.read_into(held)

@@ -64,8 +64,9 @@ def _run(rank: int, names, offload: str, **layout) -> dict:
                      "host_bytes": 0 if off is None else off.bytes_to_host,
                      "device_bytes": 0 if off is None else off.bytes_to_device,
                      "separate": off is None or all(
-                         t.untyped_storage().data_ptr() != engine.ctx.gather_buf.untyped_storage().data_ptr()
-                         for t in off.host_tensors())}
+                         t.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+                         for t in off.host_tensors() for held in  # (where the new parameters are gathered)
+                         ([engine.ctx.gather_buf] if engine.ctx.gather_buf is not None else engine.flat.grads))}
         engine.close()
     return out
 
