@@ -92,7 +92,10 @@ class SliceReader:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of dim 0 (a 0-dim tensor: the whole value), in the file's dtype."""
         piece = self._slice(name)
-        out = piece[:] if not piece.get_shape() else piece[start:stop]
+        if not piece.get_shape():  # a 0-dim tensor has no rows: read it whole
+            out = self._open[self.files[name]].get_tensor(name)
+        else:
+            out = piece[start:stop]
         self.bytes_read += out.numel() * out.element_size()
         self.largest_read = max(self.largest_read, out.numel() * out.element_size())
         return out

@@ -109,6 +109,17 @@ def test_one_rank_node_sharded_in_bf16_trains_as_the_eager_load(tmp_path):
     assert _train(engine, 0) == _train(eager, 0)
 
 
+def test_the_reader_hands_out_rows_and_counts_their_bytes(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"scalar": torch.tensor(3.5), "matrix": torch.arange(12.0).view(4, 3)}, tmp_path / "model.safetensors")
+    with SliceReader(tmp_path) as reader:
+        assert reader.shape("matrix") == (4, 3) and reader.shape("scalar") == ()
+        assert torch.equal(reader.rows("matrix", 1, 3), torch.arange(3.0, 9.0).view(2, 3))
+        assert reader.bytes_read == reader.largest_read == 2 * 3 * 4  # the two rows, nothing else
+        assert reader.whole("scalar").item() == 3.5 and reader.bytes_read == 24 + 4
+
+
 def test_refusals_name_the_problem(tmp_path):
     folder = save_folder(tmp_path / "llama")
     with pytest.raises(ValueError, match="meta device.*weights="):
