@@ -16,7 +16,6 @@ import torch
 from engine import Engine, EngineConfig
 from engine.parallel.local_group import spawn
 from tests.engine.test_model_sharding import grouped_model, whole_params
-from tests.engine.test_nonfinite import nan_on
 from tests.tiny import worker_stream
 
 MODES = {
@@ -24,6 +23,10 @@ MODES = {
     "dpu": {"strategy": "dpu"},
     "acco+loco4+int4": {"strategy": "acco", "codec": "loco4", "param_codec": "int4"},
     "dpu+loco4+int8": {"strategy": "dpu", "codec": "loco4", "param_codec": "int8", "comm_chunks": 2},
+    # bf16 parameters gathered into the first half of an fp32 gradient buffer (flat and two-level;
+    # node-sharded gradients are bf16 themselves)
+    "acco+loco4+int4 bf16": {"strategy": "acco", "codec": "loco4", "param_codec": "int4", "compute_dtype": "bfloat16"},
+    "dpu+loco4 bf16": {"strategy": "dpu", "codec": "loco4", "compute_dtype": "bfloat16"},
 }
 LAYOUTS = {  # name: (world, settings, environment)
     "flat 2": (2, {}, {}),
@@ -36,6 +39,19 @@ FIRST, STEPS = 3, 6  # saved after FIRST steps, resumed to STEPS
 def _cfg(mode: str, layout: dict, steps: int) -> EngineConfig:
     return EngineConfig(lr=1e-2, micro_batches=2, accumulation="fixed", max_steps=steps, nan_policy="skip",
                         poison_freed_buffers=True, **MODES[mode], **layout)
+
+
+def _nan_on(rank: int, batch_index: int):
+    """The mean squared error in fp32 whatever the parameters' dtype, NaN in rank 1's
+    ``batch_index``-th micro-batch (1-based)."""
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        dtype = next(model.parameters()).dtype
+        loss = torch.nn.functional.mse_loss(model(batch[0].to(dtype)).float(), batch[1])
+        return loss * float("nan") if rank == 1 and calls[0] == batch_index else loss
+    return loss_fn
 
 
 def _state(engine: Engine) -> dict[str, torch.Tensor]:
@@ -53,13 +69,13 @@ def _run(rank: int, mode: str, layout: dict, root: str) -> dict:
     from engine.runtime.memory_accounting import held_bytes
 
     stream = worker_stream(rank, 200)
-    first = Engine(grouped_model(), _cfg(mode, layout, FIRST), nan_on(1, rank, 5))
+    first = Engine(grouped_model(), _cfg(mode, layout, FIRST), _nan_on(rank, 5))
     history = first.fit(iter(stream))
     mid = _state(first)
     first.save(root)
     first.close()
     model = grouped_model(seed=7)  # other values: everything must come from the checkpoint
-    resumed = Engine.load(root, model, _cfg(mode, layout, STEPS), nan_on(1, rank, 5))
+    resumed = Engine.load(root, model, _cfg(mode, layout, STEPS), _nan_on(rank, 5))
     history += resumed.fit(itertools.islice(stream, resumed.consumed, None))
     out = {"losses": [h["loss"] for h in history], "skipped": [h["skipped"] for h in history],
            "mid": mid, "end": _state(resumed), "separate": resumed.ctx.gather_buf is not None,
