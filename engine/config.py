@@ -220,15 +220,17 @@ class EngineConfig:
                              "lacks: install torch >= 2.9")
 
     def _check_optimizer_offload(self) -> None:
-        """optimizer_offload='cpu' needs the sharded optimizer's state (zero1, dpu, acco) and an
-        elementwise optimizer (engine/runtime/offload.py)."""
+        """optimizer_offload='cpu' needs the sharded optimizer's state (zero1, dpu, acco) or a
+        local-step strategy's inner state (diloco, sparseloco, local_sgd) and an elementwise
+        optimizer (engine/runtime/offload.py)."""
         if self.optimizer_offload == "none":
             return
         why = (getattr(strategy_class(self.strategy), "offload_refused", "its state is not a sharded optimizer's "
                        "shard") if self.strategy in STRATEGIES else None)
         if why:
             raise ValueError(f"optimizer_offload={self.optimizer_offload!r} with strategy {self.strategy!r}: {why}; "
-                             "use zero1, dpu or acco with it, or optimizer_offload='none'")
+                             "use zero1, dpu, acco, diloco, sparseloco or local_sgd with it, or "
+                             "optimizer_offload='none'")
         if self.optimizer == "muon":
             raise ValueError("optimizer_offload='cpu' with optimizer='muon': stepping Muon's whole matrices on the "
                              "CPU is not built; use optimizer='adamw' or 'sgd', or optimizer_offload='none'")

@@ -16,6 +16,13 @@ a GPU runs.
 What stays on the device: the staging slots (``SCRATCH_SLOTS`` x the longest piece, fp32), and a
 shard-sized copy of the master only on the rare path where a step's new parameters overflow and
 the unchanged master is gathered again.
+
+The local-step strategies (diloco, sparseloco: engine/strategies/local_steps.py) use the same
+``HostOptimizer`` for their inner optimizer: the gradient (the whole buffer, a node replica's slice
+or the local shards) comes to the host in pieces, each piece is stepped once it has landed
+(engine/strategies/inner_step.py, one piece-sized host scratch), and the new master goes back into
+the compute parameters piece by piece (``send``). local_sgd's state is its replica's parameters
+(``ctx.gather_buf``): ``HostParams`` keeps them in host memory and steps them there the same way.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class HostOptimizer:
         self._staging: list[torch.Tensor] = []  # device: the new master's pieces on their way to the gatherer
         self._arrived: list = []  # CUDA: an event per piece of the gradient's copy to the host
         self._sent: list = [None] * SCRATCH_SLOTS  # CUDA: when each staging slot's source may be reused
+        self.piece_scratch: torch.Tensor | None = None  # the piecewise inner step's square roots, on the host
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
@@ -99,6 +107,23 @@ class HostOptimizer:
         """Piece k of the gradient is in host memory."""
         if self._arrived:
             self._arrived[k].synchronize()
+
+    def fetch_all(self, step_sum: torch.Tensor, piece: int) -> torch.Tensor:
+        """The whole gradient in the host buffer (what reads it all at once: a norm on the host)."""
+        host = self.fetch_gradient(step_sum, pieces_of(step_sum.numel(), piece))
+        if self._arrived:
+            self._arrived[-1].synchronize()  # one stream: the last copy's event follows every other
+        return host
+
+    def host_piece_scratch(self, width: int) -> torch.Tensor:
+        """A host fp32 scratch ``width`` long (the piecewise inner step's), kept between steps."""
+        if self.piece_scratch is None or self.piece_scratch.numel() < width:
+            self.piece_scratch = host_empty(width, self.pinned)
+        return self.piece_scratch
+
+    def send(self, dst: torch.Tensor, src: torch.Tensor, piece: int) -> None:
+        """``dst = src`` (device <- host, any dtype) piece by piece: no full-size device temporary."""
+        send_pieces(self, dst, src, piece)
 
     # ---------------------------------------------------------------- host -> device
     def staged(self, k: int, source: torch.Tensor, width: int) -> torch.Tensor:
@@ -145,9 +170,71 @@ class HostOptimizer:
         if scratch is not None:
             masters, m, v = scratch
             out += masters + [m] + ([v] if v is not None else [])
-        if self.kernel_scratch is not None:
-            out.append(self.kernel_scratch)
+        out += [t for t in (self.kernel_scratch, self.piece_scratch) if t is not None]
         return out
 
     def device_tensors(self) -> list[torch.Tensor]:
         return list(self._staging)
+
+
+def pieces_of(n: int, piece: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + piece)) for a in range(0, n, piece)]
+
+
+def send_pieces(offload, dst: torch.Tensor, src: torch.Tensor, piece: int) -> None:
+    """``dst = src`` from host memory to the device, piece by piece, counting the bytes. On CUDA the
+    copies are asynchronous on the current stream (pinned memory): the host source is next
+    written by the next step, after its gradient's copies, which follow these on the stream."""
+    with torch.no_grad():
+        for a, b in pieces_of(src.numel(), piece):
+            dst[a:b].copy_(src[a:b], non_blocking=offload.async_copies)
+    offload.bytes_to_device += src.numel() * src.element_size()
+
+
+class HostParams:
+    """local_sgd with ``optimizer_offload='cpu'``: its state, the replica's parameters
+    (``ctx.gather_buf``, in the compute dtype), in host memory. Its round steps them there piece by
+    piece (the gradient's piece copied to the host first), the period's average runs on host tensors
+    (gloo) or piecewise through a device staging piece (NCCL takes device tensors), and the loop
+    installs them into the compute parameters from the host."""
+
+    def __init__(self, values: torch.Tensor, device: torch.device, piece: int) -> None:
+        self.device = torch.device(device)
+        self.pinned = pin_host()
+        self.async_copies = self.device.type == "cuda"
+        self.piece = piece
+        self.values = torch.empty(values.numel(), dtype=values.dtype, device="cpu", pin_memory=self.pinned)
+        self.values.copy_(values)
+        self.grad = torch.empty(min(values.numel(), piece), dtype=values.dtype, device="cpu", pin_memory=self.pinned)
+        self._staging: torch.Tensor | None = None  # device: NCCL's piece of the average
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+
+    def sgd_step(self, grad_sum: torch.Tensor, count: int, lr: float) -> None:
+        """``values -= lr * grad_sum / count``, a piece at a time on the host (the same elementwise
+        operations as the step on the device, so the same bits on the same CPU)."""
+        for a, b in pieces_of(self.values.numel(), self.piece):
+            g = self.grad[:b - a]
+            g.copy_(grad_sum[a:b])  # synchronous: read at once
+            self.bytes_to_host += g.numel() * g.element_size()
+            self.values[a:b].add_(g / count, alpha=-lr)
+
+    def average(self, comm) -> None:
+        """The period's mean of every replica's ``values`` over ``comm``."""
+        if self.device.type == "cpu":  # host tensors go to gloo as they are
+            comm.all_reduce_sum(self.values).div_(comm.world_size)
+            return
+        for a, b in pieces_of(self.values.numel(), self.piece):
+            if self._staging is None:
+                self._staging = torch.empty(min(self.values.numel(), self.piece), dtype=self.values.dtype,
+                                            device=self.device)
+            part = self._staging[:b - a]
+            part.copy_(self.values[a:b])
+            comm.all_reduce_sum(part).div_(comm.world_size)
+            self.values[a:b].copy_(part)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [self.values, self.grad]
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        return [] if self._staging is None else [self._staging]

@@ -6,7 +6,11 @@ the smallest strategy that is not a ZeRO-1 round, one file plus its registry lin
 With the model sharded inside the node (model_sharding="node", engine/parallel/sharding.py) a node
 is one replica: FSDP2 has summed the node's gradients of each rank's local shards, each rank steps
 its local shards with the node's mean gradient, and the period's average runs over the rail (the
-same local rank on every node), on 1/G of the model."""
+same local rank on every node), on 1/G of the model.
+
+With ``optimizer_offload='cpu'`` the replica's parameters (its whole state) live in host memory
+and are stepped and averaged there (engine/runtime/offload.py ``HostParams``); the device holds the
+compute parameters and the gradient."""
 
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ from acco_loco.schedule import lr_at
 
 from ..core.rounds import RoundContext, RoundRequest, RoundResult
 from ..runtime.host import nonfinite_flag, small_vector, to_host
+from ..runtime.offload import HostParams
 from .base import Recut, Strategy
+
+OFFLOAD_PIECE = 1 << 22  # values per host step and per device staging piece (optimizer_offload='cpu')
 
 
 class LocalSGD(Strategy):
@@ -29,6 +36,8 @@ class LocalSGD(Strategy):
     gathered_is_state = True  # ctx.gather_buf holds this replica's parameters between rounds (sharding.py)
     rail = None  # model_sharding='node': the comm thread's rail group; None: the world averages
     per_node = 1  # ranks that step one replica together (G under model sharding)
+    offload_refused = None  # its state, the replica's parameters, may live in host memory
+    offload: HostParams | None = None
     recut_rules = {**Strategy.recut_rules, "local_params": Recut("local", new_from="local_params")}
 
     @classmethod
@@ -42,6 +51,10 @@ class LocalSGD(Strategy):
         dims = getattr(ctx, "dims", None)
         if dims is not None and dims.kind == "node_sharded":
             self.rail, self.per_node = dims.comm("rail"), dims.layout.ranks_per_node
+        if ctx.cfg.optimizer_offload == "cpu":  # ctx.gather_buf (the object the loop installs) becomes the host copy
+            self.offload = HostParams(ctx.gather_buf, ctx.gather_buf.device, OFFLOAD_PIECE)
+            torch.utils.swap_tensors(ctx.gather_buf, self.offload.values)  # the device tensor now in .values: dropped
+            self.offload.values = ctx.gather_buf
 
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         comm, full, n = ctx.comm, ctx.flat.grads[req.grad_index], ctx.comm.world_size
@@ -56,11 +69,17 @@ class LocalSGD(Strategy):
         replica_count = int(sum(small[3 + 2 * n + r] for r in range(node * self.per_node, (node + 1) * self.per_node)))
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)
-        if not bad and replica_count:  # this replica's own step (a node's: FSDP2 summed its gradients)
-            ctx.gather_buf.add_(full.to(ctx.gather_buf.dtype) / replica_count, alpha=-lr)
-        if (req.step_index + 1) % self.period == 0:
-            average = comm if self.rail is None else self.rail
-            average.all_reduce_sum(ctx.gather_buf).div_(average.world_size)
+        average = comm if self.rail is None else self.rail
+        if self.offload is not None:
+            if not bad and replica_count:
+                self.offload.sgd_step(full, replica_count, lr)
+            if (req.step_index + 1) % self.period == 0:
+                self.offload.average(average)
+        else:
+            if not bad and replica_count:  # this replica's own step (a node's: FSDP2 summed its gradients)
+                ctx.gather_buf.add_(full.to(ctx.gather_buf.dtype) / replica_count, alpha=-lr)
+            if (req.step_index + 1) % self.period == 0:
+                average.all_reduce_sum(ctx.gather_buf).div_(average.world_size)
         return RoundResult(
             index=req.index, kind=req.kind, step_index=req.step_index, local_count=req.count, count=count,
             samples=int(small[1]), loss=float(small[2]) / count if count else math.nan, lr=lr,

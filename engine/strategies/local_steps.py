@@ -15,7 +15,9 @@ With node replicas (the two-level layout) each rank steps its slice of the node'
 model sharded inside the node (model_sharding="node", engine/parallel/sharding.py) each rank steps
 its FSDP2 local shards (1/G of the model), which FSDP2's reduce-scatter has already summed over the
 node, and the outer round runs on them over the rail (docs/local_steps.md, "Node sharding and the
-outer state on the CPU"). The outer state lives where ``outer_state_device`` says (outer_state.py).
+outer state on the CPU"). The outer state lives where ``outer_state_device`` says (outer_state.py);
+with ``optimizer_offload='cpu'`` the inner state lives in host memory and each inner step runs
+there, the gradient copied over and the new parameters back in pieces (inner_step.py ``offloaded``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ from acco_loco.optim import can_fuse, clip_coefficient, propose_step
 from acco_loco.outer import pseudo_gradient, sample_shares
 from acco_loco.schedule import lr_at
 
-from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
+from ..core.rounds import (
+    NonFiniteGradientError,
+    RoundContext,
+    RoundRequest,
+    RoundResult,
+    squared_norm_f64,
+)
 from ..parallel.two_level import slice_of
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
-from .inner_step import PieceStep
+from .inner_step import PIECE, PieceStep, offloaded, pieces_of
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
 from .outer_state import OuterPlace
@@ -55,6 +63,7 @@ class LocalStepStrategy(Strategy):
     name = ""
     two_level = True  # a node is one replica (engine/strategies/node_replica.py)
     node_sharding_refused = None  # each rank steps its FSDP2 local shards; the outer round runs over the rail
+    offload_refused = None  # the inner state may live in host memory (optimizer_offload='cpu')
     sections = ("outer",)  # what diloco and sparseloco share: engine/strategies/outer_config.py
     # each worker's inner copy is its own; theta_sync and the outer momentum every replica's alike;
     # sparseloco's error feedback summed
@@ -81,9 +90,10 @@ class LocalStepStrategy(Strategy):
         self.place: OuterPlace | None = None  # where the outer state lives (outer_state_device)
         self.node_due = False  # node replicas: some rank of the node saw its outer period elapse
         self._exhausted: torch.Tensor | None = None  # node replicas: the data-ran-out flag's buffer
+        self.offload = None  # optimizer_offload='cpu': the inner state in host memory (HostOptimizer)
 
     @classmethod
-    def from_config(cls, cfg) -> "LocalStepStrategy":
+    def from_config(cls, cfg) -> LocalStepStrategy:
         return cls(cfg)
 
     outer_cost = ""  # the planner's Hardware cost attribute of an outer round, per value
@@ -110,7 +120,9 @@ class LocalStepStrategy(Strategy):
             raise ValueError(f"strategy {cfg.strategy!r} cannot honour this configuration: set " + "; ".join(wrong))
 
     def make_loop(self, parts):
-        from ..loops.local_steps import LocalStepsLoop  # the runtime loads only when an engine is built
+        from ..loops.local_steps import (
+            LocalStepsLoop,  # the runtime loads only when an engine is built
+        )
 
         return LocalStepsLoop(parts)
 
@@ -145,6 +157,8 @@ class LocalStepStrategy(Strategy):
         self.place = OuterPlace(ctx.cfg.outer_state_device, master.device)
         self.theta_sync = self.place.copy_of(master.detach())
         self.submitted = torch.zeros_like(self.theta_sync)
+        if ctx.cfg.optimizer_offload == "cpu":
+            self.offload = offloaded(ctx.shard_state, master.device, self._step_in_place)
         self.setup_outer(ctx)
         self.period_start = time.perf_counter()
 
@@ -164,7 +178,9 @@ class LocalStepStrategy(Strategy):
             return self._node_inner_step(ctx, grad_sum, count, samples, loss_sum, step_index, lr)
         self.period.micro_batches += count
         self.period.samples += samples
-        if device_side(grad_sum):
+        if self.offload is not None:  # the inner state in host memory: the CPU path, on the gradient's host copy
+            grad_sum = self.offload.fetch_all(grad_sum, PIECE)
+        elif device_side(grad_sum):
             return self._inner_step_on_device(ctx, grad_sum, count, loss_sum, step_index, lr)
         loss_sum = float(loss_sum)  # CPU: reading a CPU tensor waits for nothing
         self.period.loss_sum += loss_sum
@@ -248,7 +264,10 @@ class LocalStepStrategy(Strategy):
         if not math.isfinite(norm):
             return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite gradient")
         coef = clip_coefficient(norm, cfg.max_grad_norm)
-        fits = self._step_in_place(state, part, n, coef, lr, ctx.spec, can_fuse(ctx.spec, part, state))
+        grad, ready = part, None
+        if self.offload is not None:  # each piece stepped on the host once its copy has landed
+            grad, ready = self.offload.fetch_gradient(part, pieces_of(part.numel(), PIECE)), self.offload.wait
+        fits = self._step_in_place(state, grad, n, coef, lr, ctx.spec, can_fuse(ctx.spec, grad, state), ready)
         if rep.agree(small_vector([float(not fits)], part.device))[0] > 0:
             raise NonFiniteGradientError(
                 f"inner step {step_index + 1} on the node of rank {ctx.comm.rank} gave non-finite parameters from a "
@@ -263,8 +282,11 @@ class LocalStepStrategy(Strategy):
         if self.sharded:
             ctx.flat.install(values)  # FSDP2's local shards: no collective
             return
-        if self.replica is not None:
-            self.replica.install(values, ctx.flat.data)
+        if self.replica is not None:  # offloaded: the slice on the device for the node's gather
+            self.replica.install(values.to(ctx.flat.data.device), ctx.flat.data)
+            return
+        if self.offload is not None:
+            self.offload.send(ctx.flat.data, values, PIECE)
             return
         with torch.no_grad():
             ctx.flat.data.copy_(values)
