@@ -52,7 +52,9 @@ optimizer, g = codec group, G = ranks per node:
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
-                      (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device
+                      (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device;
+                      the inner state on the CPU too (optimizer_offload='cpu'): 2e/G on the device,
+                      (12 + 4)/G of the inner state and its gradient's host copy in host memory
 Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node sharding."""
 
 from __future__ import annotations
@@ -286,6 +288,10 @@ def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     if mode.sharding == "node":
         return local_node_sharded(mode, shape, layout, ws)
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
+    if mode.offload == "cpu":  # the inner state and the gradient's host copy in host memory; a node replica's
+        # new slice goes to the device for the node's gather (a slice-sized temporary)
+        return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, 12 * pt / share,
+                      4 * pt / share if share > 1 else 0.0, host=16 * pt / share)
     return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share, 12 * pt / share)
 
 
@@ -296,7 +302,10 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
     bytes; the device keeps the exchange's wire rows (an averaging all-to-all's: 2 w V, w the
-    pseudo-gradient's bytes; top-k payloads are a few percent of V)."""
+    pseudo-gradient's bytes; top-k payloads are a few percent of V). With the inner state on the CPU
+    (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's host copy 4 V
+    are host bytes; the device keeps no inner state (the new parameters go into FSDP2's local
+    shards from the host, a parameter at a time)."""
     e, g = ws.compute_bytes, layout.ranks_per_node
     v, frozen = shape.trainable / g, (shape.params - shape.trainable) / g
     per_value, whole_rows = OUTER_TEMP.get(mode.spec.outer_cost, max(OUTER_TEMP.values()))
@@ -304,7 +313,10 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     if mode.outer_state == "cpu":
         host, outer = outer + temps, 0.0
         temps = 2 * ws.pseudo_grad_bytes * v if whole_rows else 0.0
-    return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, 12 * v, outer, temps, host)
+    inner = 12 * v
+    if mode.offload == "cpu":
+        host, inner = host + inner + 4 * v, 0.0
+    return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, inner, outer, temps, host)
 
 
 FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local}

@@ -130,8 +130,11 @@ def candidates(two_level: bool = True, node_sharding: bool | None = None, offloa
                 sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
                 if offload and getattr(cls, "offload_refused", "no") is None:
                     offloaded += [replace(m, exchange="two-level", sharding="node", offload="cpu") for m in variants]
-                if offload and spec.local_steps:  # the outer state on the CPU, as INTELLECT-1 keeps it
+                if offload and spec.local_steps:  # the outer state on the CPU, as INTELLECT-1 keeps it; and the
+                    # inner state too: the device then holds the compute parameters and one gradient buffer
                     offloaded += [replace(m, exchange="two-level", sharding="node", outer_state="cpu") for m in variants]
+                    offloaded += [replace(m, exchange="two-level", sharding="node", outer_state="cpu", offload="cpu")
+                                  for m in variants]
     return out + two + sharded + offloaded
 
 

@@ -35,6 +35,9 @@ so nothing is stepped twice. The rates are assumptions, stated once (``HostLink`
   28 bytes a value. Measured on the project's 2-core CPU machine under load: 0.107 G values/s
   (16.8 M values, ``propose_slice`` with the kernel; the torch path 0.034); a server core with
   its share of a socket's memory bandwidth is assumed to reach 0.25 G values/s (7 GB/s).
+A local-step strategy's offloaded inner step (``offload_inner_s``) is priced with the same rates:
+its gradient's pieces go to the host behind the host step, and the new master comes back after
+the step (engine/strategies/local_steps.py installs it whole), on the compute side, every inner step.
 """
 
 from __future__ import annotations
@@ -71,6 +74,15 @@ def offload_round_s(shard: float, exchange_ranks: int, link: HostLink = HOST_LIN
     parts = [4 * shard / link.copy_Bps, steps * shard / link.step_values_per_s, 4 * shard / link.copy_Bps]
     longest = max(parts)
     return longest + (sum(parts) - longest) / pieces
+
+
+def offload_inner_s(values: float, link: HostLink = HOST_LINK) -> float:
+    """Seconds an offloaded local-step inner step adds (per GPU, ``values`` its inner state's
+    values): the gradient to the host pipelined with the host step over 2^20-value pieces, then
+    the new master back to the device."""
+    pieces = max(1, -(-int(values) // (1 << 20)))
+    fetch, step = 4 * values / link.copy_Bps, values / link.step_values_per_s
+    return max(fetch, step) + min(fetch, step) / pieces + 4 * values / link.copy_Bps
 
 
 @dataclass(frozen=True)
@@ -184,15 +196,18 @@ def _local(mode, numel, layout, hw, b, t_c, t_c_eff, transport) -> StepTime:
     g, h = layout.ranks_per_node, mode.inner_steps
     two_level = mode.exchange == "two-level" and g > 1
     sharded = two_level and mode.sharding == "node"  # FSDP2 summed the node's gradients (in t_c_eff)
+    offload = mode.offload == "cpu"  # optimizer_offload='cpu': the inner step on the host
     if sharded:  # each rank steps its local shards: no node round of the engine's
-        inner_work = hw.shard_opt_s_per_param * padded(numel, g, ALIGN) / g
+        shard = padded(numel, g, ALIGN) / g
+        inner_work = offload_inner_s(shard) if offload else hw.shard_opt_s_per_param * shard
         inner = t_c_eff + inner_work
     elif two_level:  # the node's ranks take each inner step together: a sharded round at full precision
         shard = padded(numel, g, ALIGN) / g
-        inner_work = hw.round_s_per_param * numel + hw.shard_opt_s_per_param * shard
+        step_s = offload_inner_s(shard) if offload else hw.shard_opt_s_per_param * shard
+        inner_work = hw.round_s_per_param * numel + step_s
         inner = t_c_eff + inner_work + hw.intra_s(b.round_intra_rank)
     else:
-        inner_work = hw.optimizer_s_per_param * numel
+        inner_work = offload_inner_s(numel) if offload else hw.optimizer_s_per_param * numel
         inner = t_c_eff + inner_work
     slice_ = -(-numel // g) if two_level else numel
     outer_work = getattr(hw, mode.spec.outer_cost) * slice_ + transport * h

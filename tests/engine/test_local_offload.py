@@ -121,3 +121,32 @@ def test_local_offload_resumes_bit_exact_and_loads_either_way(tmp_path):
     for r, run in enumerate(runs):
         for key, equal in run.items():
             assert equal, (r, key)
+
+
+def test_the_planner_moves_the_inner_state_to_the_host():
+    """engine/planner: a node-sharded local-step row with the inner state on the CPU keeps none of its
+    12 V on the device (V = P/G values a rank), holds it and the gradient's host copy (16 V) in host
+    memory, and pays the host step and the copies each inner step; the row exists in the candidates."""
+    from engine.parallel.topology import Layout
+    from engine.planner.hardware import gpu
+    from engine.planner.memory import memory_per_gpu
+    from engine.planner.modes import Mode, candidates
+    from engine.planner.shape import PRESETS
+    from engine.planner.timeline import Batch, offload_inner_s, step_time
+    from engine.planner.wire import WireSettings
+
+    shape, layout, ws = PRESETS["8b"], Layout(2, 8), WireSettings(compute_bytes=2)
+    v = shape.trainable / 8
+    hw, batch = gpu(1.0), Batch(1024, 1)
+    names = {m.name for m in candidates()}
+    for strategy in ("diloco", "sparseloco"):
+        kept = Mode(strategy, exchange="two-level", sharding="node", outer_state="cpu")
+        moved = replace(kept, offload="cpu")
+        assert moved.name in names, moved.name
+        a, b = memory_per_gpu(kept, shape, layout, ws), memory_per_gpu(moved, shape, layout, ws)
+        assert a.optimizer == pytest.approx(12 * v) and b.optimizer == 0.0
+        assert b.host - a.host == pytest.approx(16 * v) and a.total - b.total == pytest.approx(12 * v)
+        slower = step_time(moved, shape, layout, hw, batch).step_s - step_time(kept, shape, layout, hw, batch).step_s
+        assert 0 < slower <= offload_inner_s(v * 1.001), (strategy, slower)
+    flat = memory_per_gpu(Mode("diloco", offload="cpu"), shape, Layout(2, 1), ws)
+    assert flat.optimizer == 0.0 and flat.host == pytest.approx(16 * shape.trainable)
