@@ -83,9 +83,15 @@ class DiLoCo(LocalStepStrategy):
         state = ShardState(master=self.theta_sync[a:b], exp_avg=self.momentum[a:b], step=self.outer_steps)
         return outer_sgd_step(state, mean[a:b], lr, self.spec)
 
+    wire_piece = PIECE  # values of every rank's columns together per exchange, with the outer state on the CPU
+
     def average(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
-        """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype."""
+        """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype. With
+        the outer state on the CPU the exchange runs over column pieces of the [world, L] rows, so
+        the device holds a piece of the wire rows, not the whole (each value's sum is the same)."""
         comm, n, place = ctx.comm, ctx.comm.world_size, self.place
+        if self.cfg.outer_state_device == "cpu":
+            return self._average_in_pieces(comm, delta, shares)
         # row r: rank r's piece of my shard (the wire tensors on the compute device: outer_state.py)
         rows = comm.all_to_all_rows(place.to_wire(delta.to(self.wire)).view(n, -1))
         mine = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
@@ -95,6 +101,23 @@ class DiLoCo(LocalStepStrategy):
         out = torch.empty(delta.numel(), dtype=self.wire, device=rows.device)
         comm.all_gather(mine.to(self.wire), out)
         return place.from_wire(out).to(torch.float32)
+
+    def _average_in_pieces(self, comm, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
+        n, place = comm.world_size, self.place
+        cols = delta.numel() // n
+        step = max(1, self.wire_piece // n)
+        out = torch.empty(delta.numel(), dtype=torch.float32, device=place.device)
+        for c0 in range(0, cols, step):
+            c1 = min(cols, c0 + step)
+            rows = comm.all_to_all_rows(place.to_wire(delta.view(n, cols)[:, c0:c1].to(self.wire)))
+            mine = torch.zeros(c1 - c0, dtype=torch.float32, device=rows.device)
+            for rank, share in enumerate(shares):
+                if share:
+                    mine.add_(rows[rank].to(torch.float32), alpha=share)
+            got = torch.empty(n * (c1 - c0), dtype=self.wire, device=rows.device)
+            comm.all_gather(mine.to(self.wire), got)
+            out.view(n, cols)[:, c0:c1].copy_(place.from_wire(got.view(n, c1 - c0)).to(torch.float32))
+        return out
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"outer.momentum": self.momentum}

@@ -5,7 +5,8 @@ there on the gradient's host copy and the new parameters copied back in pieces
 device are the same memory, but the offloaded run keeps separate host tensors and makes every copy,
 so what is checked is the path a GPU runs: in real gloo groups, the same bits as the run without
 offload at world 2 flat, 2 x 2 two-level (a node one replica) and 2 x 2 node-sharded (with the
-outer state on the CPU too), the engine's accounting showing the inner state as host bytes and
+outer state on the CPU too: against the run with it on the device, diloco's exchange then
+in pieces), the engine's accounting showing the inner state as host bytes and
 none of it on the device; a mid-period resume bit for bit, and checkpoints that load either way."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.tiny import mse_loss, worker_stream
 LAYOUTS = {  # name: (world, ranks per node, settings)
     "flat-2": (2, 1, {"topology": "flat", "model_sharding": "none"}),
     "two-level-2x2": (4, 2, {"topology": "two_level", "model_sharding": "none"}),
-    "node-sharded-2x2": (4, 2, {"topology": "two_level", "model_sharding": "node", "outer_state_device": "cpu"}),
+    "node-sharded-2x2": (4, 2, {"topology": "two_level", "model_sharding": "node"}),
 }
 
 
@@ -43,6 +44,8 @@ def _run(rank: int, strategy: str, settings: dict, offload: str) -> dict:
         engine, steps = Engine(sharded_tiny(), cfg, mse_loss), 8
     else:
         sharding, rest = settings["model_sharding"], {k: v for k, v in settings.items() if k != "model_sharding"}
+        if sharding == "node" and offload == "cpu":  # against the outer state on the device: diloco's exchange
+            rest["outer_state_device"] = "cpu"  # in pieces of 16 columns (Diloco.wire_piece) against the whole one
         engine, steps = Engine(chunked_model(), config(strategy, sharding, 1, optimizer_offload=offload, **rest),
                                mse_loss), ROUNDS * H
     it, snaps, losses = iter(worker_stream(rank, steps + 1)), [], []
@@ -57,6 +60,9 @@ def _run(rank: int, strategy: str, settings: dict, offload: str) -> dict:
 
 
 def _pairs(rank: int, world: int, layout: str) -> dict:
+    from engine.strategies.diloco import DiLoCo
+
+    DiLoCo.wire_piece = 32  # several pieces on this model (2 ranks on the rail: 16 columns each)
     settings = LAYOUTS[layout][2]
     return {(s, o): _run(rank, s, settings, o) for s in ("diloco", "sparseloco", "local_sgd") for o in ("none", "cpu")}
 
