@@ -71,8 +71,9 @@ class OptimizerConfig:
                              "scratch slots, the step recomputed in place at install (the same bits; a commit "
                              "round runs the optimizer twice); auto = piece on CUDA, whole elsewhere and with "
                              "optimizer='muon' (its matrices reach past a piece)")
-    optimizer_offload: str = setting("none", "where the sharded optimizer's state lives and steps (zero1, dpu, "
-                                     "acco): none = on the compute device; cpu = the fp32 master and moments "
+    optimizer_offload: str = setting("none", "where the optimizer's state lives and steps (zero1, dpu, "
+                                     "acco; diloco, sparseloco and local_sgd: the inner state): none = on "
+                                     "the compute device; cpu = the fp32 master and moments "
                                      "of the rank's shard in host memory (pinned with CUDA), the step run on "
                                      "the CPU, each piece's gradient copied to the host and its new values "
                                      "back (engine/runtime/offload.py; step_copy auto is then whole, in host "

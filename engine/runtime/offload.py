@@ -183,11 +183,14 @@ def pieces_of(n: int, piece: int) -> list[tuple[int, int]]:
 
 def send_pieces(offload, dst: torch.Tensor, src: torch.Tensor, piece: int) -> None:
     """``dst = src`` from host memory to the device, piece by piece, counting the bytes. On CUDA the
-    copies are asynchronous on the current stream (pinned memory): the host source is next
-    written by the next step, after its gradient's copies, which follow these on the stream."""
+    copies are queued asynchronously (pinned memory) and waited for once at the end."""
     with torch.no_grad():
         for a, b in pieces_of(src.numel(), piece):
             dst[a:b].copy_(src[a:b], non_blocking=offload.async_copies)
+    if offload.async_copies:  # the host source may be rewritten next (a round's theta_sync, a merge): done first
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
     offload.bytes_to_device += src.numel() * src.element_size()
 
 
