@@ -40,18 +40,6 @@ log = logging.getLogger("acco_loco")
 DEFAULT_RESULTS = Path("docs") / "results"  # relative to the current directory, as the planner's
 
 
-# Left out although their spec is AdamW's class: dpu's update is AdamW's one step late with no
-# correction, +16.9% held-out loss against DDP at 3072 samples (one seed,
-# docs/results/acco_attribution_1gbit_b16_s0.json) and a diverged seed at 1 Gbit/s.
-STALE_UPDATES = ("dpu",)
-
-
-def candidate_strategies() -> tuple[str, ...]:
-    """The strategies the decision rule may choose, here and in the planner's recommendation."""
-    from .planner.modes import auto_strategies  # the planner loads when auto is used
-
-    return tuple(s for s in auto_strategies() if s not in STALE_UPDATES)
-
 
 @dataclass(frozen=True)
 class AutoChoice:
@@ -71,7 +59,7 @@ def auto_modes(cfg, layout) -> list:
     with the codec variants the config leaves open (a codec the planner's table does not list:
     as given), on the exchange its topology resolves to, with its model sharding and optimizer
     placement."""
-    from .planner.decide import runnable
+    from .planner.decide import candidate_strategies, runnable
     from .planner.modes import CODEC_VARIANTS, candidates
 
     codecs = [(c, p) for c, p in CODEC_VARIANTS
@@ -130,6 +118,7 @@ def choose_strategy(cfg, model: torch.nn.Module, dims):
         return cfg, None
     from .core.dtypes import resolve_compute_dtype
     from .parallel.topology import Layout
+    from .planner.decide import candidate_strategies
     from .planner.hardware import H100_MEM_GIB, cpu_testbed, gpu
     from .planner.modes import Mode
     from .planner.probe import model_step, probe_cluster, time_compute

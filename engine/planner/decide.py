@@ -7,7 +7,7 @@ The rule, in order:
 
 1. the pool: the modes a run of the engine can take (never torch DDP, the reference), AdamW's update
    or AdamW's one step late with its correction (``auto_strategies``: never a local-step method, never
-   1-bit Adam, never the uncorrected stale update, engine/auto.py ``STALE_UPDATES``), and that the run's layout
+   1-bit Adam, never the uncorrected stale update, ``StrategySpec.stale_update``), and that the run's layout
    settings run (``runnable``: the exchange its topology resolves to, its model sharding, where its
    optimizer steps);
 2. measured: the figure the goal needs has qualifying rows of the mode's own (evidence.py: >= 3
@@ -26,18 +26,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.parallel.topology import Layout, exchange_for
+from engine.strategies import strategy_class
 
 from .goal import Goal
-from .modes import Mode
+from .modes import Mode, auto_strategies
 
 TIE = 0.03  # modes within 3% of the best count as equal
 MAX_LEFT_OUT = 6  # faster modes named in the reasons
 
 
-def in_pool(mode: Mode) -> bool:
-    """Whether the rule may choose ``mode``: strategy="auto"'s strategies (engine/auto.py)."""
-    from engine.auto import candidate_strategies
+def candidate_strategies() -> tuple[str, ...]:
+    """The strategies the decision rule may choose, in the planner's recommendation and in
+    strategy="auto" (engine/auto.py): AdamW's update or AdamW's one step late with a correction
+    (a stale update with none is left out: ``StrategySpec.stale_update``)."""
+    return tuple(s for s in auto_strategies() if not strategy_class(s).spec().stale_update)
 
+
+def in_pool(mode: Mode) -> bool:
+    """Whether the rule may choose ``mode``: strategy="auto"'s strategies."""
     return not mode.is_ddp and mode.strategy in candidate_strategies()
 
 

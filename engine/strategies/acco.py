@@ -25,7 +25,6 @@ class Acco(ShardedStrategy):
     plan = RoundPlan("acco", overlap=True, kinds=(RoundKind.ESTIMATE, RoundKind.COMMIT))
     sections = ("acco",)
     kept_shards = 1  # the reduced estimate half, until its commit round
-    quality_proxy = ("acco", "loco4", "int4")  # measured; its other codec variants lose as much or less
     # the delay corrections' per-owner shards; the kept half belongs to the step in progress
     recut_rules = {**ShardedStrategy.recut_rules, "sent_estimate": Recut("shard"), "last_update": Recut("shard"),
                    "kept_grad_sum": Recut("step")}

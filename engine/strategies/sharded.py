@@ -71,7 +71,7 @@ class ShardedStrategy(Strategy):
     offload_refused = None  # its state is the shard optimizer's: it may live in host memory (optimizer_offload)
     kept_shards = 0  # fp32 shard-sized buffers it keeps between a step's rounds (the planner's memory)
     gathers_into_gradients = True  # a round gathers into the gradient buffer it has reduced (RoundContext.gather_target)
-    quality_proxy: tuple[str, str, str] | None = None  # whose measured loss its codec variants take
+    stale_update = False  # StrategySpec.stale_update
 
     @classmethod
     def spec(cls) -> StrategySpec:
@@ -79,7 +79,7 @@ class ShardedStrategy(Strategy):
                             installs=cls.plan.kinds.count(RoundKind.COMMIT),
                             memory=MemorySpec("sharded", cls.kept_shards), round_parts=sharded_round_parts,
                             work=sharded_work, adamw_class=True, codec_variants=True,
-                            quality_proxy=cls.quality_proxy)
+                            stale_update=cls.stale_update)
 
     offload: HostOptimizer | None = None  # optimizer_offload='cpu': the shard state in host memory
 

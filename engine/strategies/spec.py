@@ -119,8 +119,8 @@ class StrategySpec:
     local_steps: bool = False  # a round every ``inner_steps`` optimizer steps taken alone
     outer_cost: str = ""  # local steps: the Hardware cost attribute of an outer round, per value
     warmup_as: str = ""  # a registered strategy whose rounds its warmup runs (time to loss)
-    # (strategy, codec, param_codec) whose measured loss stands in for its codec variants
-    quality_proxy: tuple[str, str, str] | None = None
+    # its update applies a one-step-old gradient with no correction: the decision rule never takes it
+    stale_update: bool = False
 
 
 def sharded_round_parts(numel: int, world: int, mode, ws: WireSettings) -> dict:

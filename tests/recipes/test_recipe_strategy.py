@@ -62,7 +62,7 @@ def test_no_strategy_on_a_fast_link_takes_autos_choice_and_no_forced_codec_world
 
 
 def test_auto_never_takes_the_uncorrected_stale_update():
-    from engine.auto import candidate_strategies
+    from engine.planner.decide import candidate_strategies
     from engine.planner.modes import auto_strategies
 
     assert "dpu" in auto_strategies() and "dpu" not in candidate_strategies()  # +16.9% held-out (issue 35)
