@@ -1,6 +1,7 @@
-"""The inner optimizer step of a local-step strategy written over its state in pieces
+"""The inner optimizer step of a local-step strategy: written over its state in pieces
 (engine/strategies/local_steps.py; docs/local_steps.md, "Checkpoints and non-finite values"): no
-second copy of the full-size inner state, one piece-sized scratch kept between steps."""
+second copy of the full-size inner state, one piece-sized scratch kept between steps; and the
+step on an accelerator with one host read."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import math
 
 import torch
 
-from acco_loco.optim import propose_slice
+from acco_loco.optim import propose_slice, propose_step
 from acco_loco.shard_state import ShardState
 
+from ..core.rounds import squared_norm_f64
+from ..runtime.host import to_host
 from ..runtime.offload import HostOptimizer, pieces_of  # noqa: F401 (pieces_of: local_steps.py's)
+from .local_totals import InnerStep
 
 PIECE = 1 << 20  # values per piece
 
@@ -57,3 +61,37 @@ def offloaded(state: ShardState, device: torch.device, step: PieceStep) -> HostO
     offload = HostOptimizer(state, device)
     step.scratch = offload.host_piece_scratch(min(state.master.numel(), PIECE))
     return offload
+
+
+def inner_step_on_device(strategy, ctx, grad_sum: torch.Tensor, count: int, loss_sum: float | torch.Tensor,
+                         step_index: int, lr: float) -> InnerStep:
+    """A local-step strategy's inner step on an accelerator (``LocalStepStrategy.inner_step``): the
+    same decisions and values as the CPU path, with one host read instead of three (the CPU path
+    reads the loss, the norm and the new parameters' finiteness one at a time; each is a sync on a
+    GPU). The norm, the clipping
+    coefficient and the proposal are computed on the device first; then the loss, the norm
+    and whether the proposal is finite come to the host together, and decide."""
+    cfg, state = ctx.cfg, ctx.shard_state
+    g = grad_sum.to(torch.float32)
+    sq = torch.dot(g, g)
+    # the fp32 squares may overflow for finite values (rare): then the float64 sum, as on CPU
+    sq = torch.where(torch.isfinite(sq), sq.to(torch.float64), squared_norm_f64(g))
+    norm = sq.sqrt() / count
+    grad = g / count
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm > 0:  # clip_coefficient, on the device
+        coef = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+        grad.mul_(torch.where(coef < 1.0, coef, 1.0).to(torch.float32))
+    proposal = propose_step(state, grad, lr, ctx.spec)
+    if not torch.is_tensor(loss_sum):
+        loss_sum = torch.tensor(float(loss_sum), dtype=torch.float64)  # a caller's number: no device copy
+    read = to_host(torch.stack([loss_sum.to(norm.device, torch.float64), norm,
+                                torch.isfinite(proposal.master).all().to(torch.float64)]))
+    loss_sum, norm_h, finite = float(read[0]), float(read[1]), bool(read[2])
+    strategy.period.loss_sum += loss_sum
+    if not math.isfinite(norm_h):
+        return strategy._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite gradient")
+    if not finite:
+        return strategy._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
+    state.install(proposal)
+    strategy.install(ctx, state.master)
+    return InnerStep(lr, norm_h, loss_sum / count, False)

@@ -43,7 +43,7 @@ from ..core.rounds import (
 from ..parallel.two_level import slice_of
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from .base import Recut, Strategy
-from .inner_step import PIECE, PieceStep, offloaded, pieces_of
+from .inner_step import PIECE, PieceStep, inner_step_on_device, offloaded, pieces_of
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
 from .outer_state import OuterPlace
@@ -181,7 +181,7 @@ class LocalStepStrategy(Strategy):
         if self.offload is not None:  # the inner state in host memory: the CPU path, on the gradient's host copy
             grad_sum = self.offload.fetch_all(grad_sum, PIECE)
         elif device_side(grad_sum):
-            return self._inner_step_on_device(ctx, grad_sum, count, loss_sum, step_index, lr)
+            return inner_step_on_device(self, ctx, grad_sum, count, loss_sum, step_index, lr)
         loss_sum = float(loss_sum)  # CPU: reading a CPU tensor waits for nothing
         self.period.loss_sum += loss_sum
         grad_sum = grad_sum.to(torch.float32)  # no copy in fp32
@@ -210,38 +210,6 @@ class LocalStepStrategy(Strategy):
             state.install(proposal)
         self.install(ctx, state.master)
         return InnerStep(lr, norm, loss_sum / count, False)
-
-    def _inner_step_on_device(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int,
-                              loss_sum: float | torch.Tensor, step_index: int, lr: float) -> InnerStep:
-        """The inner step on an accelerator: the same decisions and values as the CPU path, with
-        one host read instead of three (the CPU path reads the loss, the norm and the new
-        parameters' finiteness one at a time; each is a sync on a GPU). The norm, the clipping
-        coefficient and the proposal are computed on the device first; then the loss, the norm
-        and whether the proposal is finite come to the host together, and decide."""
-        cfg, state = ctx.cfg, ctx.shard_state
-        g = grad_sum.to(torch.float32)
-        sq = torch.dot(g, g)
-        # the fp32 squares may overflow for finite values (rare): then the float64 sum, as on CPU
-        sq = torch.where(torch.isfinite(sq), sq.to(torch.float64), squared_norm_f64(g))
-        norm = sq.sqrt() / count
-        grad = g / count
-        if cfg.max_grad_norm is not None and cfg.max_grad_norm > 0:  # clip_coefficient, on the device
-            coef = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
-            grad.mul_(torch.where(coef < 1.0, coef, 1.0).to(torch.float32))
-        proposal = propose_step(state, grad, lr, ctx.spec)
-        if not torch.is_tensor(loss_sum):
-            loss_sum = torch.tensor(float(loss_sum), dtype=torch.float64)  # a caller's number: no device copy
-        read = to_host(torch.stack([loss_sum.to(norm.device, torch.float64), norm,
-                                    torch.isfinite(proposal.master).all().to(torch.float64)]))
-        loss_sum, norm_h, finite = float(read[0]), float(read[1]), bool(read[2])
-        self.period.loss_sum += loss_sum
-        if not math.isfinite(norm_h):
-            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite gradient")
-        if not finite:
-            return self._skip_inner(ctx, step_index, lr, loss_sum / count, "non-finite parameters after the update")
-        state.install(proposal)
-        self.install(ctx, state.master)
-        return InnerStep(lr, norm_h, loss_sum / count, False)
 
     def _node_inner_step(self, ctx: RoundContext, grad_sum: torch.Tensor, count: int, samples: int,
                          loss_sum: float | torch.Tensor, step_index: int, lr: float) -> InnerStep:

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 import acco_loco.codecs
 import engine.runtime.host
+import engine.strategies.inner_step
 import engine.strategies.local_sgd
 import engine.strategies.local_steps
 import engine.strategies.sharded
@@ -233,6 +234,7 @@ def test_an_inner_step_reads_the_device_once(strategy, fused, monkeypatch):
         calls: list[int] = []
         monkeypatch.setattr(engine.runtime.host, "to_host", counted_to_host(calls))
         monkeypatch.setattr(engine.strategies.local_steps, "to_host", engine.runtime.host.to_host)
+        monkeypatch.setattr(engine.strategies.inner_step, "to_host", engine.runtime.host.to_host)  # the device path's
         monkeypatch.setattr(engine.strategies.local_steps, "device_side", lambda t: device_path)
         eng = Engine(tiny_model(0), EngineConfig(strategy=strategy, **LOCAL, **OWN[strategy]), mse_loss)
         real, per_step = eng.loop.inner_step, []
