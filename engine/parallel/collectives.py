@@ -263,13 +263,8 @@ class CompressedGrads:
             self.feedback.mark()  # a skipped step goes back here: it must leave no error behind
 
     def end_step(self, committed_step: int, skipped: bool) -> None:
-        if skipped:
-            # a skipped step must leave no error behind: back to the step's start, or no error at
-            # all (also when resumed mid-step from a checkpoint written under 'reset': no mark)
-            if self.after_skip == "rollback" and self.feedback.marked:
-                self.feedback.rollback()
-            else:
-                self.feedback.reset()
+        if skipped:  # it must leave no error behind: back to the step's mark, or none at all ('reset')
+            self.feedback.rollback() if self.feedback.marked else self.feedback.reset()
         self.feedback.on_committed_step(committed_step)
 
     def state_dict(self, mid_step: bool) -> dict[str, torch.Tensor]:

@@ -278,9 +278,8 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
 # the pseudo-gradient, the exchange's rows and result and the outer step's proposal (momentum SGD: one
 # piece covers that model; at scale the proposal is piece-sized);
 # the error's encode and decode (error feedback + top-k). And whether the exchange's wire rows are
-# as long as the outer state on the device with the state on the CPU: neither (diloco's averaging
-# all-to-all runs then in column pieces of 4M values, engine/strategies/diloco.py; top-k payloads
-# are a few percent of the values)
+# as long as the outer state on the device with the state on the CPU: neither (an averaging
+# all-to-all runs then in column pieces of 4M values; top-k payloads are a few percent of the values)
 OUTER_TEMP = {"outer_sgd_s_per_param": (20.0, False), "outer_topk_s_per_param": (36.25, False)}
 
 
@@ -303,8 +302,8 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     (FSDP2's unsharded blocks besides), the inner AdamW state 12 V, the outer state 12 V
     (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
-    bytes; the device keeps a piece of the exchange's wire rows (diloco's averaging all-to-all runs
-    in pieces then; top-k payloads are a few percent of V). With the inner state on the CPU
+    bytes; the device keeps a piece of the exchange's wire rows (an averaging all-to-all runs in
+    pieces then; top-k payloads are a few percent of V). With the inner state on the CPU
     (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's host copy 4 V
     are host bytes; the device keeps no inner state (the new parameters go into FSDP2's local
     shards from the host, a parameter at a time)."""

@@ -141,7 +141,11 @@ def test_memory_follows_the_layouts_of_design_3_1():
     codec_fp32 = memory_per_gpu(Mode("zero1", "loco4"), shape, layout, ws)  # auto: fp32 under a codec
     codec_bf16 = memory_per_gpu(Mode("zero1", "loco4"), shape, layout, WireSettings(compute_bytes=2, grad_dtype="compute"))
     assert codec_fp32.total - codec_bf16.total == pytest.approx(4 * shape.params, rel=1e-3)
-    assert acco.codec_state == pytest.approx(2 * shape.params * (1 + 4 / 128))
+    # the int8 error and its group scales (error_after_skip auto on a GPU: reset, no rollback copy)
+    assert acco.codec_state == pytest.approx(shape.params * (1 + 4 / 128))
+    rollback = memory_per_gpu(Mode("acco", "loco4", "int4"), shape, layout,
+                              WireSettings(compute_bytes=2, error_after_skip="rollback"))
+    assert rollback.codec_state == pytest.approx(2 * acco.codec_state)
     assert acco2.codec_state == pytest.approx(acco.codec_state / 8)  # error feedback on the rank's slice
     assert ddp.total == 16 * shape.params
     assert memory_per_gpu(Mode("diloco"), shape, layout, WireSettings()).total == 40 * shape.params
