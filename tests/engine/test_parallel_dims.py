@@ -42,8 +42,6 @@ def test_the_exchange_follows_the_layout_and_what_the_strategy_supports(nodes, g
     (2, 2, {"strategy": "local_sgd", "optimizer": "sgd", "weight_decay": 0.0, "topology": "two_level"},
      "strategy 'local_sgd' has no two-level exchange yet"),
     (1, 4, {"topology": "two_level"}, "topology='two_level' needs at least 2 nodes of at least 2 ranks"),
-    (2, 2, {"strategy": "onebit_adam", "model_sharding": "node"},
-     "strategy 'onebit_adam' does not run with model_sharding='node' yet"),
 ])
 def test_a_layout_the_strategy_cannot_run_is_refused_with_what_to_do(nodes, g, cfg, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):  # by the config, or once the layout is known

@@ -165,15 +165,18 @@ def test_recommendation_keeps_adamw_and_follows_the_link():
     shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
     batch = Batch(16, 4)
     slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS)
-    # at B = 16 ACCO's measured cost (+1.3%, 3 seeds) is above the 0.5% bound and LoCo on zero1 has
-    # no rows of its own yet: the measured AdamW-class mode left is zero1, whatever the link
-    assert slow.choice.mode == Mode("zero1"), slow.why
+    # at B = 16 ACCO's measured cost (+1.1 to +1.4%: the benchmark's 3 seeds and the loss grid's 2) is
+    # above the 0.5% bound; zero1 with LoCo-4 and int4 deltas has rows of its own in the loss grid
+    # (2 seeds, within the bound) and is the fastest on a slow link
+    assert slow.choice.mode == Mode("zero1", "loco4", "int4"), slow.why
     assert slow.choice.loss.measured and slow.choice.loss.value <= 0.5
-    assert "acco+loco4+int4params: +1.35% > +0.5%" in slow.why and "not measured" in slow.why
-    # reaching AdamW's loss soonest, the 4-bit exchange pays for its 1.18x samples at 20 Mbit/s
+    assert all(p.source.startswith("loss_grid/") and len(p.seeds) >= 2 for p in slow.choice.loss.basis)
+    acco = next(r for r in slow.rows if r.mode == Mode("acco", "loco4", "int4"))
+    assert acco.loss.measured and acco.loss.value > 0.5  # measured, above the bound: left out
+    # reaching AdamW's loss soonest: the same 4-bit exchange, by its measured samples factor
     soon = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS,
                      goal=Goal("time_to_loss"))
-    assert soon.choice.mode == Mode("acco", "loco4", "int4") and soon.choice.factor.measured, soon.why
+    assert soon.choice.mode.codec == "loco4" and soon.choice.factor.measured, soon.why
     # on an H100 pair with 400 Gbit/s between them, nothing is worth a lossy codec
     fast = make_plan(PRESETS["1b"], Layout(2, 1), gpu(400), Batch(64, 4), WireSettings(compute_bytes=2),
                      results=RESULTS)
@@ -251,10 +254,14 @@ def test_loss_per_sample_comes_from_the_measured_tables():
     from engine.planner.evidence import estimate
 
     acco = estimate(Mode("acco", "loco4", "int4"), RESULTS, 16, 3072)
-    assert acco.value == pytest.approx(1.348, abs=0.001)  # acco_headline_100mbit_b16_3seeds.json, 3 seeds
-    assert acco.basis and not acco.beyond
+    # acco_headline_100mbit_b16_3seeds.json (3 seeds, +1.35%) and the loss grid's B = 16 point (2 seeds,
+    # +0.93%), both at B = 16 and 3072 samples
+    sources = {p.source for p in acco.basis}
+    assert sources == {"acco_headline_100mbit_b16_3seeds.json", "loss_grid/b16_n3072.json"}, sources
+    assert 0.93 - 1e-3 <= acco.value <= 1.348 + 1e-3 and not acco.beyond
     assert estimate(Mode("sparseloco"), RESULTS, 16, None).value > 10  # +16-18% per sample at H = 15
-    assert not estimate(Mode("zero1", "loco4", "int8"), RESULTS, 16, None).measured  # never inferred
+    # zero1 with LoCo stands on its own rows (the grid's zero1+loco4), never on acco's
+    assert {p.bench for p in estimate(Mode("zero1", "loco4", "int8"), RESULTS, 16, None).basis} == {"zero1+loco4"}
     dpu = estimate(Mode("dpu"), RESULTS, 16, None)  # one seed: shown, not enough
     assert not dpu.measured and "acco_attribution_1gbit_b16_s0.json 1 seed < 3" in dpu.not_measured()
     # no results folder: nothing measured, and it says so (the planner never finds one by itself)

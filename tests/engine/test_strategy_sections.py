@@ -49,7 +49,8 @@ def test_outer_and_onebit_are_sections_beside_their_strategies():
     assert lay.strategy_sections == ("outer", "diloco", "sparseloco", "onebit", "acco")
     for name in lay.strategy_sections:
         assert lay.sections[name].__module__ == f"engine.strategies.{name}_config"
-    assert list(EngineConfig().to_dict()) == ["strategy", "max_steps", "compute_dtype", "grad_dtype", "nan_policy",
+    assert list(EngineConfig().to_dict()) == ["strategy", "auto_goal", "auto_loss_bound_pct", "auto_results",
+                                              "max_steps", "compute_dtype", "grad_dtype", "nan_policy",
                                               "seed", "optim", "schedule", "accumulate", "comm", "layout", "outer",
                                               "diloco", "sparseloco", "onebit", "acco", "runtime"]
     cfg = EngineConfig(strategy="sparseloco", inner_steps=5, sparseloco={"topk_chunk": 64})
