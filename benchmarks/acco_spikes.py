@@ -298,12 +298,9 @@ def main(argv=None) -> int:
     if a.thresholds:
         print_thresholds()
         return 0
-    workload = dict(WORKLOAD)
-    for item in a.set:
-        k, _, v = item.partition("=")
-        if k not in workload:
-            raise SystemExit(f"--set {item}: no workload field {k!r}")
-        workload[k] = type(workload[k])(v)
+    from benchmarks.loss_grid import workload_with
+
+    workload = workload_with(WORKLOAD, a.set)
     spec = build_spec(a, workload)
     overrides = []
     if a.beta1 is not None or a.beta2 is not None:

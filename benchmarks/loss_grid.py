@@ -389,14 +389,20 @@ def cmd_status(a) -> int:
     return 0
 
 
-def cmd_one(a) -> int:
-    workdir = tempfile.mkdtemp(prefix="acl-loss-grid-one-")
-    workload = dict(WORKLOAD)
-    for item in a.set:
+def workload_with(base: dict, sets: list[str]) -> dict:
+    """``base`` with each ``--set field=value`` applied (the value in the field's own type)."""
+    workload = dict(base)
+    for item in sets:
         k, _, v = item.partition("=")
         if k not in workload:
             raise SystemExit(f"--set {item}: no workload field {k!r} (fields: {', '.join(workload)})")
         workload[k] = type(workload[k])(v)
+    return workload
+
+
+def cmd_one(a) -> int:
+    workdir = tempfile.mkdtemp(prefix="acl-loss-grid-one-")
+    workload = workload_with(WORKLOAD, a.set)
     run = run_local(a.global_batch, a.samples, a.mode, a.lr, a.seed, workdir, workload)
     run["workload"] = workload
     run["command"] = " ".join(shlex.quote(x) for x in ["python", "benchmarks/loss_grid.py", *sys.argv[1:]])
