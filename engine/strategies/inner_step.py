@@ -14,7 +14,7 @@ from acco_loco.shard_state import ShardState
 
 from ..core.rounds import squared_norm_f64
 from ..runtime.host import to_host
-from ..runtime.offload import HostOptimizer, pieces_of  # noqa: F401 (pieces_of: local_steps.py's)
+from ..runtime.offload import HostOptimizer
 from .local_totals import InnerStep
 
 PIECE = 1 << 20  # values per piece

@@ -42,8 +42,9 @@ from ..core.rounds import (
 )
 from ..parallel.two_level import slice_of
 from ..runtime.host import nonfinite_flag, small_vector, to_host
+from ..runtime.offload import pieces_of
 from .base import Recut, Strategy
-from .inner_step import PIECE, PieceStep, inner_step_on_device, offloaded, pieces_of
+from .inner_step import PIECE, PieceStep, inner_step_on_device, offloaded
 from .local_totals import InnerStep, OuterTotals, PeriodTotals
 from .node_replica import NodeReplica, inner_totals
 from .outer_state import OuterPlace
