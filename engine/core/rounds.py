@@ -94,12 +94,16 @@ class ParamGatherer(Protocol):
     """Each owner's new shard -> the full buffer every replica holds, piece by piece. ``push``
     reads values [a, b) of piece k from ``new_shard``, whose first value is the shard's ``start``
     (0: the whole shard; a piece's start: a piece-sized scratch holding at least [a, b)); the
-    values must stay as they are until the push of piece k + 2 returns (or ``finish``)."""
+    values must stay as they are until the push of piece k + 2 returns (or ``finish``).
+    ``restorable``: the caller fills ``held`` again from the model before any later gather into
+    it (a reduced gradient buffer, engine/strategies/sharded.py ``refresh_held``), so a gather
+    whose ``finish`` reports non-finite shards may leave ``held`` part-updated: a delta gatherer
+    then adds each piece as it arrives instead of keeping every piece's rows until the end."""
 
-    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]: ...
+    def begin(self, comm: Comm, held: torch.Tensor, restorable: bool = False) -> list[tuple[int, int]]: ...
     def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0) -> None: ...
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]: ...
-    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]: ...
+    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor, restorable: bool = False) -> list[int]: ...
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,8 @@ decode loops run in acco_loco/kernels.py's fused kernels where acco_loco/kernel_
 scales, round-to-nearest, int8 error storage), with the same bits as the torch code beside them;
 the send/receive/output buffers are kept and reused every round.
 
-The delta parameter all-gather sends Q(master_new - theta') where theta' is what every replica
-holds; every replica, the owner included, adds the same decoded delta, so replicas stay
-bit-identical and the owner's exact fp32 master carries any error into the next delta.
+The parameter gatherers (the all-gather of the new shards, plain or as low-bit deltas) are in
+engine/parallel/gatherers.py; make_collectives builds one of each.
 """
 
 from __future__ import annotations
@@ -33,54 +32,14 @@ import torch
 
 from acco_loco import compiled, kernel_policy, kernels
 from acco_loco.feedback import ErrorFeedback
-from acco_loco.registry import WIRE_CODECS, GradCodecSpec, parse_codecs
+from acco_loco.registry import GradCodecSpec, parse_codecs
 
 from ..core.rounds import Reduced
-from ..runtime.host import nonfinite_flag, nonfinite_rows, nonfinite_rows_parts
+from ..runtime.host import nonfinite_flag
 from ..strategies.spec import resolve_error_after_skip
 from .comm import Comm
-
-
-def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret received bytes as ``dtype``; a slice at an odd offset (sign1's payload is
-    1/8 byte a value) is copied first, since a view needs the offset aligned to the dtype."""
-    if not raw.is_contiguous() or raw.storage_offset() % dtype.itemsize:
-        raw = raw.clone(memory_format=torch.contiguous_format)
-    return raw.view(dtype)
-
-
-DECODE_BLOCK_VALUES = 1 << 24  # fp32 values decoded at once (64 MB): rows are decoded in blocks
-
-
-def _decoded_rows(codec, rows: torch.Tensor, p: int, s: int, numel: int):
-    """(first row, end row, their decoded pieces as (rows, numel) fp32) for blocks of the received
-    ``rows`` (payload ``[:p]``, scales ``[p:p + s]`` each): one decode per block instead of one per
-    row. Decoding is per group, so a block's concatenated rows decode to the rows' own values."""
-    block = max(1, DECODE_BLOCK_VALUES // max(1, numel))
-    for j0 in range(0, rows.shape[0], block):
-        j1 = min(rows.shape[0], j0 + block)
-        out = torch.empty((j1 - j0) * numel, dtype=torch.float32, device=rows.device)
-        scales = _bytes_as(rows[j0:j1, p:p + s], codec.scale_dtype).reshape(-1)
-        codec.decode(rows[j0:j1, :p].contiguous().view(-1), scales, out=out)
-        yield j0, j1, out.view(j1 - j0, numel)
-
-
-def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
-    return scales.contiguous().view(torch.uint8)
-
-
-_SEGMENTS: dict = {}
-
-
-def _segments(codec, comm: Comm, shard: int) -> list[tuple[int, int, int, int]]:
-    """The pieces of a shard (``Comm.pieces``, starts on codec groups): (a, b, payload bytes,
-    scale bytes) of values [a, b)."""
-    group = getattr(codec, "group_size", 1)
-    bounds = comm.pieces(shard, group)
-    key = (codec.name, group, codec.scale_dtype, shard, len(bounds))
-    if key not in _SEGMENTS:
-        _SEGMENTS[key] = [(a, b, codec.payload_bytes(b - a), codec.scale_bytes(b - a)) for a, b in bounds]
-    return _SEGMENTS[key]
+from .gatherers import CastParams, DeltaParams
+from .wire_rows import _bytes_as, _decoded_rows, _scale_bytes, _segments
 
 
 class _Output:
@@ -285,153 +244,6 @@ class CompressedGrads:
             self.feedback.load_mark_state_dict(mark)
         else:  # no mark to go back to in this step: a skipped commit resets the error instead
             self.feedback.forget_mark()
-
-
-# ------------------------------------------------------------------------ parameter gatherers
-class _Gatherer:
-    """A pipelined all-gather of a new shard into ``held`` (the full buffer every replica holds):
-    ``begin`` gives the pieces, ``push(k)`` sends piece k of the new shard as soon as it is
-    ready, ``finish`` waits, checks and installs; ``gather`` does the three in a row."""
-
-    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
-        """Fill ``held``; returns the ranks whose gathered values are not finite."""
-        for k in range(len(self.begin(comm, held))):
-            self.push(comm, k, new_shard)
-        return self.finish(comm, held)
-
-    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
-        self._pending: list = []
-        self._shard = held.numel() // comm.world_size
-        self._bounds = self._pieces(comm)
-        return [(a, b) for a, b, *_ in self._bounds]
-
-
-class CastParams(_Gatherer):
-    """All-gather of the new shards cast to a wire dtype (the compute dtype, or a cast).
-
-    Received pieces go into ``held`` as they arrive: with one piece in the held dtype straight
-    (every rank's shard lands in its place: no receive buffer), else through one of two kept
-    receive buffers a piece long (at most two pieces are in flight: a push waits for the piece
-    before the last). ``finish`` then checks ``held`` itself; when some rank's values are not
-    finite, ``held`` is left part-written and must be gathered again (the round does)."""
-
-    def __init__(self, wire_dtype: torch.dtype):
-        self.wire_dtype = wire_dtype
-
-    def _pieces(self, comm: Comm):
-        return comm.pieces(self._shard)
-
-    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
-        self._held = held
-        return super().begin(comm, held)
-
-    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0) -> None:
-        """Send piece k of ``new_shard`` (its first value the shard's ``start``); a piece sent as it
-        is (already in the wire dtype) is read until the push of piece k + 2 has drained it."""
-        held, dev = self._held, new_shard.device
-        self._drain(comm, keep=1)  # piece k - 2 is in place: its buffers are free
-        a, b = self._bounds[k]
-        piece = new_shard[a - start:b - start]
-        if piece.dtype != self.wire_dtype or not piece.is_contiguous():
-            piece = comm.slot("params.cast", k, self._bounds, 1, self.wire_dtype, dev).view(-1).copy_(piece)
-        if len(self._bounds) == 1 and held.dtype == self.wire_dtype:
-            recv = held.detach()  # an alias outside autograd: the backend writes it in place
-        else:
-            recv = comm.slot("params.recv", k, self._bounds, comm.world_size, self.wire_dtype, dev)
-        self._pending.append((k, recv, comm.all_gather_start(recv.view(-1), piece)))
-
-    def _drain(self, comm: Comm, keep: int) -> None:
-        """Wait for all but the last ``keep`` pieces in flight and copy each into its rows of held."""
-        rows = self._held.view(comm.world_size, self._shard)
-        while len(self._pending) > keep:
-            k, recv, work = self._pending.pop(0)
-            if work is not None:
-                work.wait()
-            if recv.data_ptr() != self._held.data_ptr():  # not gathered in place
-                a, b = self._bounds[k]
-                rows[:, a:b].copy_(recv)  # while the later pieces are still on the wire
-
-    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
-        """Fill ``held``; returns the ranks whose gathered values are not finite (``held`` must
-        then be gathered again)."""
-        self._drain(comm, keep=0)
-        self._held = None
-        return nonfinite_rows(held.view(comm.world_size, self._shard))
-
-
-class DeltaParams(_Gatherer):
-    """The delta all-gather of new parameter shards against what every replica holds."""
-
-    def __init__(self, name: str, world: int, group_size: int, scale_dtype: str):
-        self.codec = WIRE_CODECS[name](group_size, scale_dtype)
-        self.world = world
-        self.fused = kernel_policy.wire_codec(self.codec)
-
-    def _pieces(self, comm: Comm):
-        return _segments(self.codec, comm, self._shard)
-
-    def _fused_for(self, held: torch.Tensor, *tensors: torch.Tensor) -> bool:
-        return self.fused and kernel_policy.fits(held, *tensors)
-
-    def push(self, comm: Comm, k: int, new_shard: torch.Tensor, start: int = 0,
-             held: torch.Tensor | None = None) -> None:
-        """Send piece k of Q(new_shard - mine), mine = this rank's shard of ``held``; ``new_shard``'s
-        first value is the shard's ``start`` (it is read here, encoded into the piece's own send buffer)."""
-        held = self._held if held is None else held
-        a, b, p, s = self._bounds[k]
-        codec, dev = self.codec, held.device
-        send = comm.buffer(("params.send", k), (p + s,), torch.uint8, dev)
-        recv = comm.buffer(("params.recv", k), (comm.world_size * (p + s),), torch.uint8, dev)
-        lo = comm.rank * self._shard
-        mine, new = held[lo + a:lo + b], new_shard[a - start:b - start]
-        if self._fused_now is None:  # once a round
-            self._fused_now = self._fused_for(held, new_shard)
-        if self._fused_now and p % 4 == 0:
-            kernels.delta_encode(new.data_ptr(), mine.data_ptr(), b - a, codec.bits, codec.group_size,
-                                 send.data_ptr(), p)
-        else:
-            delta = new.to(torch.float32) - mine.to(torch.float32)
-            payload, scales = codec.encode(delta, check_finite=False)
-            # a NaN group would encode as scale 0: say it in the scales, on the device
-            scales = torch.where(torch.isfinite(delta).all(), scales, float("nan")).to(scales.dtype)
-            send[:p].copy_(payload)
-            send[p:].copy_(_scale_bytes(scales))
-        self._pending.append((k, recv, comm.all_gather_start(recv, send)))
-
-    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
-        self._held, self._fused_now = held, None
-        return super().begin(comm, held)
-
-    def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
-        """Add the deltas into ``held`` once every piece is in and all are finite; else return the
-        ranks whose were not, ``held`` untouched on every replica (all see the same rows)."""
-        return self.arrived(comm) or self.apply(comm, held) or []
-
-    def arrived(self, comm: Comm) -> list[int]:
-        """Wait for every piece; the ranks whose new shard was not finite (``apply`` if none)."""
-        n, codec, self._got = comm.world_size, self.codec, []
-        for k, recv, work in self._pending:
-            if work is not None:
-                work.wait()
-            a, b, p, s = self._bounds[k]
-            rows = recv.view(n, p + s)
-            self._got.append((a, b, p, rows, _bytes_as(rows[:, p:], codec.scale_dtype)))
-        self._held = None
-        return nonfinite_rows_parts([scales for *_, scales in self._got])
-
-    def apply(self, comm: Comm, held: torch.Tensor) -> None:
-        """Add the arrived deltas into ``held``."""
-        n, shard, codec = comm.world_size, self._shard, self.codec
-        got, self._got = self._got, None
-        fused = self._fused_for(held)
-        for a, b, p, rows, scales in got:
-            if fused and p % 4 == 0:  # every row's piece into its place in held
-                kernels.decode_add(rows.data_ptr(), n, rows.shape[1], p, b - a, codec.bits, codec.group_size,
-                                   held.data_ptr() + 4 * a, shard)
-                continue
-            for j0, j1, deltas in _decoded_rows(codec, rows, p, rows.shape[1] - p, b - a):
-                view = held.view(n, shard)[j0:j1, a:b]  # each row's piece in its replica's shard
-                view.add_(deltas) if held.dtype == torch.float32 else view.copy_(view.to(torch.float32).add_(deltas))
 
 
 def make_collectives(cfg, padded: int, world: int, device: torch.device, rank: int, compute_dtype: torch.dtype):

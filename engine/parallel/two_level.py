@@ -88,15 +88,20 @@ class TwoLevelParams:
     def __init__(self, inner, node: Comm, rail: Comm, layout: Layout):
         self.inner, self.node, self.rail, self.layout = inner, node, rail, layout
 
-    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor) -> list[int]:
-        for k in range(len(self.begin(comm, held))):
+    def gather(self, comm: Comm, new_shard: torch.Tensor, held: torch.Tensor, restorable: bool = False) -> list[int]:
+        for k in range(len(self.begin(comm, held, restorable))):
             self.push(comm, k, new_shard)
         return self.finish(comm, held)
 
-    def begin(self, comm: Comm, held: torch.Tensor) -> list[tuple[int, int]]:
+    def begin(self, comm: Comm, held: torch.Tensor, restorable: bool = False) -> list[tuple[int, int]]:
         # what this rail holds of its slice: the inner gatherer updates it, never ``held`` itself
         self._slice = self.rail_slice(held)
-        return self.inner.begin(self.rail, self._slice)
+        return self.inner.begin(self.rail, self._slice, self.slice_restorable(restorable))
+
+    def slice_restorable(self, restorable: bool) -> bool:
+        """Whether the inner gatherer may leave the slice part-updated: a copy, made again by the
+        next gather, so yes."""
+        return True
 
     def rail_slice(self, held: torch.Tensor) -> torch.Tensor:
         """A copy of the part of ``held`` this rail exchanges (this rank's slice)."""
@@ -162,7 +167,8 @@ class ShardParams(TwoLevelParams):
     into ``held`` itself (no copy of it); the node agrees on finiteness as TwoLevelParams does
     before a delta gatherer adds its deltas (so ``held`` stays untouched when another rail's
     shard was not finite; a cast gatherer's part-written ``held`` is gathered again by the
-    round), and there is no node gather (FSDP2 gathers in the forward pass). Without overlap
+    round; a streaming one, ``restorable``, leaves it part-updated too and the round fills it again),
+    and there is no node gather (FSDP2 gathers in the forward pass). Without overlap
     ``held`` is the gradient buffer the round has reduced (engine/parallel/sharding.py), filled with the
     parameters by ``refresh`` first where a delta gatherer adds to them."""
 
@@ -176,10 +182,15 @@ class ShardParams(TwoLevelParams):
             self.refresh(held)  # ``held`` is the round's reduced gradient buffer: deltas need the base
         return held
 
+    def slice_restorable(self, restorable: bool) -> bool:
+        # ``held`` itself: part-updated only where it is filled again before the next gather
+        return restorable or self.refresh is not None
+
     def finish(self, comm: Comm, held: torch.Tensor) -> list[int]:
-        bad_rail = self.inner.arrived(self.rail) if self.deltas else self.inner.finish(self.rail, held)
+        kept_rows = self.deltas and not self.inner.streaming  # deltas added only once the node agrees
+        bad_rail = self.inner.arrived(self.rail) if kept_rows else self.inner.finish(self.rail, held)
         bad = self.node_bad(bad_rail, held.device)
-        if not bad and self.deltas:
+        if not bad and kept_rows:
             self.inner.apply(self.rail, held)
         return bad
 

@@ -26,7 +26,10 @@ optimizer, g = codec group, G = ranks per node:
                         2 (b/8 + 4/g) V/P min(c, 3)/c   codec: send and receive rows of
                                        piece 0 and of two slots the later pieces take in turn
                                        (stochastic rounding keeps every piece: not modelled)
-                        (1 + 1/N)(b/8 + 4/g) V/P   b-bit parameter deltas: send and receive
+                        (1 + 1/N)(b/8 + 4/g) V/P min(c, 2)/c   b-bit parameter deltas: send and
+                                       receive rows of two slots the pieces take in turn, each piece
+                                       added as it arrives (into a kept buffer of its own, e_g < e
+                                       and not two-level: every piece's rows until all are in)
                         2w/(N c), 2w/c  a cast gather in pieces or to another dtype (one piece in
                                        the held dtype goes straight into the gathered buffer)
                         (4 + e)/G + e/M   two-level: the node's level (engine/parallel/two_level.py)
@@ -35,8 +38,9 @@ optimizer, g = codec group, G = ranks per node:
                                        the cast buffers and the temporaries are constants
                       optimizer_offload='cpu': the 12/N of the state, its 12/N spare, the host copy
                                        of the reduced gradient and the fused kernel's scratch (4/N each) are
-                                       host bytes (``host``, per GPU: 32/N with AdamW); the device keeps
-                                       min(c, 3) fp32 staging slots a piece long, and no optimizer temporaries
+                                       host bytes (``host``, per GPU: 32/N with AdamW), ACCO's kept half too
+                                       (4/N); the device keeps min(c, 3) fp32 staging slots a piece long
+                                       (ACCO: one more, OFFLOAD_PIECE long), and no optimizer temporaries
     sharded, model sharded over the node (model_sharding="node", FSDP2 on the node's G ranks):
                       ``node_sharded_bytes``: the flat formula over the M nodes of a rail on the
                       rank's local buffer (V = P/G values): e/G parameters (FSDP2's local shards),
@@ -63,6 +67,7 @@ import math
 from dataclasses import dataclass
 
 from engine.parallel.topology import Layout
+from engine.runtime.offload import OFFLOAD_PIECE
 from engine.strategies.spec import MemorySpec, WireSettings, resolve_error_after_skip, resolve_step_copy
 
 from .modes import Mode
@@ -168,8 +173,9 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
             out["comm"] += slots * shard * wire
         if c > 1 or wire != e:
             out["comm"] += slots * values * wire
-    else:
-        out["comm"] += (shard + values) * (delta_bits / 8 + 4 / g)
+    else:  # engine/parallel/gatherers.py DeltaParams: streaming where the round can refill ``held``
+        streaming = two_level or ge >= e
+        out["comm"] += (shard + values) * (delta_bits / 8 + 4 / g) * (slots if streaming else 1.0)
     if two_level:
         # the node's level (engine/parallel/two_level.py): the node's fp32 sum of the rank's slice, the
         # slice of the held parameters, and the pieces of the node reduce-scatter, run once per
@@ -192,8 +198,12 @@ def held_bytes(params: float, *, world: int, per_node: int = 1, two_level: bool 
     out["temporaries"] = max(temps)
     if offload:  # the state and its proposal on the host, a piece-long staging slot per piece in flight
         cut, width = _longest_piece(shard, c, math.lcm(PIECE_ALIGN, g) if delta_bits is not None else PIECE_ALIGN)
-        out["host"] = out["optimizer"] + 8 * shard  # + the gradient's host copy and the kernel's scratch
+        # + the gradient's host copy and the kernel's scratch, and ACCO's kept half (only the step reads it)
+        out["host"] = out["optimizer"] + 8 * shard + out["strategy"]
         out["optimizer"] = 4 * min(cut, 3) * width
+        if kept_shards:  # the kept half comes back into the commit's sum through one staging piece
+            out["optimizer"] += 4 * min(shard, OFFLOAD_PIECE)
+        out["strategy"] = 0.0
     return out
 
 

@@ -15,7 +15,9 @@ a GPU runs.
 
 What stays on the device: the staging slots (``SCRATCH_SLOTS`` x the longest piece, fp32), and a
 shard-sized copy of the master only on the rare path where a step's new parameters overflow and
-the unchanged master is gathered again.
+the unchanged master is gathered again. A strategy's own shard-long sums that only the step reads
+live here too (``host_buffer``: ACCO's kept estimate half), added back into the device sum through
+one staging piece (``add_from_host``).
 
 The local-step strategies (diloco, sparseloco: engine/strategies/local_steps.py) use the same
 ``HostOptimizer`` for their inner optimizer: the gradient (the whole buffer, a node replica's slice
@@ -34,6 +36,7 @@ import torch
 from acco_loco.shard_state import SCRATCH_SLOTS, ShardState
 
 OFFLOADS = ("none", "cpu")  # EngineConfig optimizer_offload
+OFFLOAD_PIECE = 1 << 22  # values per host step and per device staging piece of a whole-buffer copy
 
 
 def pin_host() -> bool:
@@ -84,8 +87,38 @@ class HostOptimizer:
         self._arrived: list = []  # CUDA: an event per piece of the gradient's copy to the host
         self._sent: list = [None] * SCRATCH_SLOTS  # CUDA: when each staging slot's source may be reused
         self.piece_scratch: torch.Tensor | None = None  # the piecewise inner step's square roots, on the host
+        self.kept: dict[str, torch.Tensor] = {}  # a strategy's own host buffers (``host_buffer``)
+        self._add_slot: torch.Tensor | None = None  # device: ``add_from_host``'s staging piece
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+
+    def host_buffer(self, name: str, n: int) -> torch.Tensor:
+        """A host fp32 buffer ``n`` long kept under ``name`` for the run (pinned with CUDA)."""
+        buf = self.kept.get(name)
+        if buf is None or buf.numel() != n:
+            buf = self.kept[name] = host_empty(n, self.pinned)
+        return buf
+
+    def keep_on_host(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """``src`` (a device shard) copied into host buffer ``name``, waited for: returned."""
+        out = self.host_buffer(name, src.numel())
+        out.copy_(src.detach().reshape(-1))
+        self.bytes_to_host += 4 * src.numel()
+        return out
+
+    def add_from_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``dst += src`` (``src`` in host memory) a piece at a time through one device staging piece:
+        elementwise, so the bits of the whole-buffer add; no shard-sized device temporary."""
+        with torch.no_grad():
+            for a, b in pieces_of(src.numel(), OFFLOAD_PIECE):
+                if self._add_slot is None:
+                    self._add_slot = torch.empty(min(src.numel(), OFFLOAD_PIECE), dtype=torch.float32,
+                                                 device=self.device)
+                part = self._add_slot[:b - a]
+                part.copy_(src[a:b])  # one stream: the add reads the slot before the next copy writes it
+                dst[a:b].add_(part)
+        self.bytes_to_device += 4 * src.numel()
+        return dst
 
     # ---------------------------------------------------------------- device -> host
     def fetch_gradient(self, step_sum: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
@@ -170,11 +203,11 @@ class HostOptimizer:
         if scratch is not None:
             masters, m, v = scratch
             out += masters + [m] + ([v] if v is not None else [])
-        out += [t for t in (self.kernel_scratch, self.piece_scratch) if t is not None]
+        out += [t for t in (self.kernel_scratch, self.piece_scratch) if t is not None] + list(self.kept.values())
         return out
 
     def device_tensors(self) -> list[torch.Tensor]:
-        return list(self._staging)
+        return list(self._staging) + ([self._add_slot] if self._add_slot is not None else [])
 
 
 def pieces_of(n: int, piece: int) -> list[tuple[int, int]]:

@@ -37,7 +37,9 @@ class Acco(ShardedStrategy):
 
     def __init__(self) -> None:
         self.kept: KeptHalf | None = None  # the reduced estimate half, until its commit round
-        self.kept_buf: torch.Tensor | None = None  # its values: ACCO's own buffer, one shard long
+        # its values: ACCO's own buffer, one shard long (with optimizer_offload='cpu' a host buffer of
+        # the offload's, added back into the commit's device sum a piece at a time)
+        self.kept_buf: torch.Tensor | None = None
         self.dc_lambda = 0.0
         self.predict_steps = 0.0
         self.state = None
@@ -48,8 +50,11 @@ class Acco(ShardedStrategy):
 
     def setup(self, ctx: RoundContext) -> None:
         self.state = ctx.shard_state  # one object for the run (the context is frozen)
-        self.kept_buf = torch.empty_like(self.state.master)  # on the device: the reducer writes it
         super().setup(ctx)  # optimizer_offload='cpu': the state moves to host memory
+        if self.offload is None:
+            self.kept_buf = torch.empty_like(self.state.master)  # on the device: the reducer writes it
+        else:  # only the step reads it: host memory, where the step's state is
+            self.kept_buf = self.offload.host_buffer("acco.kept_half", self.state.master.numel())
         master = self.state.master  # the corrections' shards live where the master does
         self.dc_lambda = float(ctx.cfg.delay_compensation)
         self.predict_steps = float(ctx.cfg.weight_prediction)
@@ -59,7 +64,13 @@ class Acco(ShardedStrategy):
             self.last_update = torch.zeros_like(master)
 
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
-        return self.kept_buf if req.kind is RoundKind.ESTIMATE else None
+        # offloaded: the reducer's own buffer, copied to the host once the round is done (``keep``)
+        return self.kept_buf if req.kind is RoundKind.ESTIMATE and self.offload is None else None
+
+    def step_sum(self, req: RoundRequest, grad_sum: torch.Tensor, kept: KeptHalf | None) -> torch.Tensor:
+        if self.offload is not None and req.kind is RoundKind.COMMIT and kept is not None:
+            return self.offload.add_from_host(grad_sum, kept.grad_sum)  # the same adds, a piece at a time
+        return super().step_sum(req, grad_sum, kept)
 
     def carried(self, req: RoundRequest) -> KeptHalf | None:
         return self.kept if req.kind is RoundKind.COMMIT else None
@@ -90,6 +101,8 @@ class Acco(ShardedStrategy):
         stepped = not totals.nonfinite and totals.count > 0
         if req.kind is RoundKind.ESTIMATE:
             # a non-finite estimate half spoils its commit too: the whole step is skipped
+            if self.offload is not None:
+                grad_sum = self.offload.keep_on_host("acco.kept_half", grad_sum)
             self.kept = KeptHalf(grad_sum, totals.round_count, totals.round_loss, totals.round_samples,
                                  skipped=totals.nonfinite, bad_ranks=tuple(totals.bad_ranks))
             if self.sent_estimate is not None and not stepped:

@@ -23,10 +23,8 @@ from acco_loco.schedule import lr_at
 
 from ..core.rounds import RoundContext, RoundRequest, RoundResult
 from ..runtime.host import nonfinite_flag, small_vector, to_host
-from ..runtime.offload import HostParams
+from ..runtime.offload import OFFLOAD_PIECE, HostParams
 from .base import Recut, Strategy
-
-OFFLOAD_PIECE = 1 << 22  # values per host step and per device staging piece (optimizer_offload='cpu')
 
 
 class LocalSGD(Strategy):

@@ -39,7 +39,7 @@ from acco_loco.optim import ShardState, can_fuse, clip_coefficient, propose_slic
 from acco_loco.schedule import lr_at
 
 from ..core.rounds import NonFiniteGradientError, RoundContext, RoundRequest, RoundResult, squared_norm_f64
-from ..parallel.collectives import DeltaParams
+from ..parallel.gatherers import DeltaParams
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from ..runtime.offload import HostOptimizer
 from .base import Strategy
@@ -96,6 +96,10 @@ class ShardedStrategy(Strategy):
     def keep(self, req: RoundRequest, grad_sum: torch.Tensor, totals: RoundTotals) -> None:
         """Remember what a later round needs (nothing here)."""
 
+    def step_sum(self, req: RoundRequest, grad_sum: torch.Tensor, kept: KeptHalf | None) -> torch.Tensor:
+        """The gradient sum this round's step uses (acco_loco/acco.py ``step_gradient``)."""
+        return step_gradient(req.kind, grad_sum, kept)
+
     def correct(self, ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, totals: RoundTotals) -> None:
         """Change a round's gradient sum in place before its step, once the round is known to step
         (ACCO's delay compensation; nothing here)."""
@@ -127,7 +131,7 @@ class ShardedStrategy(Strategy):
 
         t = time.perf_counter()
         kept = self.carried(req)
-        step_sum = step_gradient(req.kind, grad_sum, kept)
+        step_sum = self.step_sum(req, grad_sum, kept)
         totals = agree(ctx, req, step_sum, local_bad, kept)
         if not totals.nonfinite and totals.count:
             self.correct(ctx, req, step_sum, totals)
@@ -256,7 +260,7 @@ def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_
     state, comm = ctx.shard_state, ctx.comm
     held = ctx.gather_buf if held is None else held
     refresh_held(ctx, held)
-    pieces = ctx.params.begin(comm, held)
+    pieces = ctx.params.begin(comm, held, restorable=held is not ctx.gather_buf)
     proposal, width = None, max(b - a for a, b in pieces)
     if stepping:
         grad = step_sum if offload is None else offload.fetch_gradient(step_sum, pieces)
@@ -309,7 +313,8 @@ def finish_and_install(ctx: RoundContext, req: RoundRequest, proposal: Proposal 
                 f"{req.step_index + 1}) on the shard(s) of rank(s) {overflowed}: nothing was installed; "
                 "lower the learning rate or clip gradients (max_grad_norm), or set nan_policy='skip'")
         master = state.master if offload is None else offload.device_master()
-        ctx.params.gather(ctx.comm, master, held)
+        refresh_held(ctx, held)  # a delta gather that added pieces as they came left it part-updated
+        ctx.params.gather(ctx.comm, master, held, restorable=held is not ctx.gather_buf)
     elif proposal is not None and req.kind is RoundKind.COMMIT:
         if proposal.spare is not None:
             state.install(proposal.spare, recycle=True)
@@ -322,7 +327,9 @@ def refresh_held(ctx: RoundContext, held: torch.Tensor) -> None:
     """Fill ``held``, a gradient buffer the round has just reduced (``RoundContext.gather_target``),
     with the parameters every replica holds (the compute side's, installed from the last round
     and read-only until the next install), when the gatherer adds decoded deltas onto ``held``
-    (param_codec int8/int4); a cast gather overwrites all of it. A node-sharded run without
+    (param_codec int8/int4); a cast gather overwrites all of it. Since the round fills it so
+    before every gather, the gatherer may leave it part-updated (``restorable``): a delta
+    gather then adds each piece as it arrives and keeps no piece's rows past the next. A node-sharded run without
     overlap has its gatherer do this (ShardParams' ``refresh``), and a buffer of the context's
     own keeps them between rounds."""
     if held is ctx.gather_buf or getattr(ctx.params, "refresh", None) is not None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from acco_loco.registry import WIRE_CODECS
-from engine.parallel import collectives
-from engine.parallel.collectives import _bytes_as, _decoded_rows, _scale_bytes
+from engine.parallel import wire_rows
+from engine.parallel.wire_rows import _bytes_as, _decoded_rows, _scale_bytes
 
 
 def _rows(codec, n: int, numel: int) -> tuple[torch.Tensor, int, int]:
@@ -29,7 +29,7 @@ def test_blocks_of_rows_decode_to_each_rows_own_values(name, block_values, monke
     codec = WIRE_CODECS[name](64, "float32")
     n, numel = 7, 64 * 3
     rows, p, s = _rows(codec, n, numel)
-    monkeypatch.setattr(collectives, "DECODE_BLOCK_VALUES", block_values)
+    monkeypatch.setattr(wire_rows, "DECODE_BLOCK_VALUES", block_values)
     blocks = list(_decoded_rows(codec, rows, p, s, numel))
     assert len(blocks) == -(-n // max(1, block_values // numel))
     got = torch.cat([values for _, _, values in blocks])
