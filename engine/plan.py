@@ -27,7 +27,7 @@ from pathlib import Path
 from .parallel.topology import Layout
 from .planner.fit import CHECKPOINTING
 from .planner.goal import DEFAULT_GOAL, DEFAULT_LOSS_BOUND_PCT, GOALS, Goal
-from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, cpu_testbed, gpu
+from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, NODE_HOST_GIB, cpu_testbed, gpu
 from .planner.modes import candidates
 from .planner.recommend import format_plan, make_plan
 from .planner.shape import PRESETS, from_shape, from_transformers
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the compute")
     c.add_argument("--gpu-mem-gib", type=float, default=None,
                    help=f"one GPU's memory, GiB (default: the H100 80GB's {H100_MEM_GIB}; with --cpu-testbed: not checked)")
+    c.add_argument("--host-mem-gib", type=float, default=None,
+                   help=f"one node's host memory, GiB, shared by its GPUs' offloaded state (default: a DGX H100's "
+                        f"{NODE_HOST_GIB}; with --cpu-testbed: not checked; 0: not checked)")
     c.add_argument("--samples-per-s", type=float, default=0.0, help="measured samples/s per worker (overrides FLOPs x MFU)")
     c.add_argument("--cpu-testbed", action="store_true",
                    help="price the comm side as the CPU testbed does (one core per worker, gloo; docs/planning.md)")
@@ -181,6 +184,10 @@ def main(argv=None) -> int:
     else:
         hw = gpu(a.inter_gbit, a.intra_gbyte, a.tflops * 1e12, a.mfu, a.samples_per_s,
                  mem_gib=a.gpu_mem_gib or H100_MEM_GIB)
+    host_gib = a.host_mem_gib if a.host_mem_gib is not None else (0.0 if a.cpu_testbed else NODE_HOST_GIB)
+    if host_gib < 0:
+        raise SystemExit(f"--host-mem-gib {a.host_mem_gib}: give one node's host memory in GiB (0: not checked)")
+    hw = replace(hw, host_memory_bytes=host_gib * 2**30 / layout.ranks_per_node)
     if a.global_batch < layout.world:
         raise SystemExit(f"--global-batch {a.global_batch} gives some of the {layout.world} ranks no sample: "
                          "raise it to at least one sample per rank")
@@ -205,7 +212,8 @@ def main(argv=None) -> int:
           + (f"compute {a.samples_per_s:.3g} samples/s per worker (measured)" if a.samples_per_s else
              f"compute {a.tflops:g} TFLOP/s x MFU {a.mfu:g}")
           + f"; batch {a.global_batch} samples/step, micro-batch {a.micro_batch}, {a.compute_dtype}"
-          + (f"; {hw.memory_bytes / 2**30:.3g} GiB per GPU" if hw.memory_bytes else ""))
+          + (f"; {hw.memory_bytes / 2**30:.3g} GiB per GPU" if hw.memory_bytes else "")
+          + (f", {host_gib:g} GiB of host memory per node" if host_gib else ""))
     if measured is not None:
         print("measured: " + measured.describe())
     print(format_plan(plan))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from .fit import fitting
+from .fit import Limits, fitting
 from .modes import Mode, candidates
 from .shape import ModelShape
 from .timeline import Batch
@@ -100,6 +100,8 @@ def what_would_fit(shape: ModelShape, layout: Layout, batch: Batch, ws: WireSett
             found = _smallest(modes, shape, nodes[0], batch, ws, limit, checkpointing, keeps)
     if found:
         return "What would fit, no one change being enough: " + ", ".join(changes) + f" together: {_say(found)}."
-    return (f"Nothing tried fits {limit / 2**30:.3g} GiB (checkpointing, node sharding, micro-batch 1, up to "
+    device = limit.device if isinstance(limit, Limits) else limit
+    return (f"Nothing tried fits {device / 2**30:.3g} GiB (checkpointing, node sharding, micro-batch 1, up to "
             f"{MORE_NODES}x the nodes within the global batch, alone and together): train fewer parameters "
-            "(--trainable-fraction) or use GPUs with more memory (--gpu-mem-gib).")
+            "(--trainable-fraction) or use GPUs with more memory (--gpu-mem-gib), or nodes with more host "
+            "memory where the rows that fit the GPU are out on it (--host-mem-gib).")

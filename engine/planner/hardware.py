@@ -41,6 +41,7 @@ class Hardware:
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb: overlap starts after the first bucket
     compute_inflation: float = 0.0  # compute runs this much slower while a comm side shares its core
     memory_bytes: float = 0.0  # one GPU's memory (0: not checked, the CPU testbed)
+    host_memory_bytes: float = 0.0  # host memory per GPU: a node's over its GPUs (0: not checked)
 
     def work_s(self, work: dict) -> float:
         """Seconds of comm-side work given as {cost attribute: values} (a strategy spec's ``work``)."""
@@ -74,6 +75,7 @@ def gbit(x: float) -> float:
 H100_BF16_FLOPS = 989e12
 H100_HBM_Bps = 3.35e12
 H100_MEM_GIB = 79.6  # an H100 80GB as nvidia-smi reports it: 81559 MiB
+NODE_HOST_GIB = 2048  # a DGX H100's 2 TB of host memory, the 8-GPU node the presets assume
 
 
 def gpu(inter_gbit: float, intra_GBps: float = 450.0, flops: float = H100_BF16_FLOPS, mfu: float = 0.4,

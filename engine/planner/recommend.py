@@ -16,7 +16,7 @@ from pathlib import Path
 from .advice import what_would_fit
 from .decide import TIE, decide, runnable, simplicity, time_to_loss  # noqa: F401 (re-exported)
 from .evidence import Estimate, estimate, warmup_fraction
-from .fit import fitting
+from .fit import Limits, fitting
 from .goal import Goal
 from .hardware import Hardware
 from .memory import Memory
@@ -61,6 +61,7 @@ class Plan:
     why_soonest: str = ""
     memory_limit: float = 0.0  # bytes per GPU the rows were checked against (0: none)
     goal: Goal = field(default_factory=Goal)
+    host_limit: float = 0.0  # host bytes per GPU (a node's over its GPUs) the rows were checked against (0: none)
 
 
 def reference_mode(ws: WireSettings) -> Mode:
@@ -69,7 +70,7 @@ def reference_mode(ws: WireSettings) -> Mode:
 
 
 def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings, modes: list[Mode],
-              limit: float | None, steps: int | None, results: Path | None, checkpointing: str,
+              limit: float | Limits | None, steps: int | None, results: Path | None, checkpointing: str,
               label: str = "the run", with_reference: bool = True) -> tuple[list[PlanRow], Mode]:
     """Every mode's row at ``batch``; the loss figures at B = ``batch.global_samples`` and a run
     of ``steps`` x B samples (None: the longest measured at each B). ``with_reference``: price
@@ -115,7 +116,7 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     ws = ws or WireSettings()
     goal = goal or Goal()
     modes = modes or candidates(two_level=layout.ranks_per_node > 1)
-    limit = memory_limit if memory_limit is not None else hw.memory_bytes
+    limit = Limits(memory_limit if memory_limit is not None else hw.memory_bytes, hw.host_memory_bytes)
     label = label or f"the {shape.params / 1e9:.3g}B run"
     rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label)
     settings = (topology, model_sharding, optimizer_offload)
@@ -125,7 +126,8 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
         why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing,
                                     lambda m: meets_goal(m, goal, results, rows[0].samples_per_step, steps))
     soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), list_faster=0)
-    return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit or 0.0, goal)
+    return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit.device or 0.0, goal,
+                limit.host)
 
 
 def meets_goal(m: Mode, goal: Goal, results: Path | None, global_batch: int, steps: int | None) -> bool:
@@ -179,7 +181,9 @@ def format_plan(plan: Plan) -> str:
                 else "not measured" + _too_few(q))
         factor = "-" if not r.factor.measured else f"{r.factor.value:.2f}x"
         to_loss = "-" if r.to_loss_vs_ddp is None else f"{r.to_loss_vs_ddp:.2f}x"
-        fits = ("yes" if r.fits else "no") + (" (checkpointed)" if r.checkpointing else "")
+        out_on_host = plan.host_limit and r.memory.host > plan.host_limit
+        fits = (f"no: host {r.memory.host / 2**30:.3g} of {plan.host_limit / 2**30:.3g} GiB" if out_on_host else
+                ("yes" if r.fits else "no") + (" (checkpointed)" if r.checkpointing else ""))
         mark = "**" if r is plan.choice else ""
         lines.append(f"| {mark}{r.mode.name}{mark} | {t.step_s:.3g} | {r.speedup_vs_ddp:.2f}x | {t.compute_s:.3g} | "
                      f"{t.inter_s:.3g} | {t.intra_s:.3g} | {t.comm_work_s:.3g} | {t.exposed_s:.3g} | "
