@@ -132,7 +132,7 @@ def _spawned(layout: str) -> list[dict] | BaseException:
     nodes, per_node, dtype = LAYOUTS[layout]
     try:
         return spawn(_measure, nodes * per_node, nodes, dtype, timeout=800, env={"LOCAL_WORLD_SIZE": str(per_node)})
-    except Exception as exc:  # every case of the layout fails with the workers' error, without spawning again
+    except AssertionError as exc:  # spawn's report of the workers' failures: every case of the layout fails with it
         return exc
 
 
@@ -192,12 +192,12 @@ def _apart(why: str):
 SCRATCH = "the inner step's piece scratch (PieceStep.scratch: min(V, 2^20) fp32, 4 B per local value here) is in no formula"
 PADDING = "sparseloco's round temporaries on chunk-padded values: 40.71 B per local value at 1 x 4, OUTER_TEMP 36.25"
 ONEBIT = "the warmup's reducer buffers (6 B) and the compressed round's temporaries are in no formula"
-# RACE: diloco's round holds its fp32 share 'mine' (2 B per local value at 2 nodes) until gloo's all-gather
-# releases it, on the comm side: in about 1 round of 30 it is still alive when the outer step's proposal
-# is made, so the largest round's temporaries are 20 or 22 and the row is 7.7% or 11.5% over: it may pass
-# or fail, so its mark is not strict (it still shows as XPASS or XFAIL in every run)
-RACE = ("diloco's round temporaries are 20 or 22 B per local value (when gloo releases the all-gather's input), "
-        "so the total straddles 10%")
+# RACE: diloco's round holds its fp32 share 'mine' (V/M values) until gloo's all-gather releases it, on the
+# comm side; now and then it is still alive when the outer step's proposal is made (1 round of 32 in a 16-round
+# run at 2 x 2; the test's largest of 2 rounds was 22 in 2 of 8 runs, else 20): the row is then over by 11.5%
+# at 2 x 2 instead of 7.7%. It may pass or fail, so its mark is not strict (it shows as XPASS or XFAIL).
+RACE = ("diloco's round temporaries are 20 B per local value, or 20 + 4/M when gloo releases the all-gather's "
+        "input late, so the total straddles 10%")
 
 
 def _straddles(why: str):
@@ -207,14 +207,14 @@ def _straddles(why: str):
 NO_SPEC = pytest.mark.xfail(strict=True, raises=ValueError, reason="local_sgd has no planner spec: no row, no formula")
 KNOWN_APART = {
     ("diloco outer on device", "2x2"): _straddles(f"device 56.06 or 58.06 / 52.06: {SCRATCH}; {RACE}"),
-    ("diloco outer on cpu inner on cpu", "2x2"): _straddles(f"host 52.00 or 54.00 / 48.00: {SCRATCH} (on the host); {RACE}"),
+    ("diloco outer on cpu inner on cpu", "2x2"): _straddles(f"host 52.00 (seen) or 54.00 / 48.00: {SCRATCH} (on the host); {RACE}"),
     ("diloco outer on cpu", "2x2"): _apart(f"device 24.06 / 20.06: {SCRATCH}"),
     ("sparseloco outer on cpu", "2x2"): _apart(f"device 24.06 / 20.06: {SCRATCH}"),
     ("diloco outer on device inner on cpu", "2x2"): _apart(f"host 20.00 / 16.00: {SCRATCH} (on the host)"),
     ("sparseloco outer on device inner on cpu", "2x2"): _apart(f"host 20.00 / 16.00: {SCRATCH} (on the host)"),
     ("onebit_adam", "2x2"): _apart(f"device 53.53 / 35.06: {ONEBIT}"),
-    ("diloco outer on device", "1x4"): _straddles(f"device 52.03 or 54.03 / 48.03: {SCRATCH}; {RACE}"),
-    ("diloco outer on cpu inner on cpu", "1x4"): _straddles(f"host 52.00 or 54.00 / 48.00: {SCRATCH} (on the host); {RACE}"),
+    ("diloco outer on device", "1x4"): _straddles(f"device 52.03 (seen) or 56.03 / 48.03: {SCRATCH}; {RACE}"),
+    ("diloco outer on cpu inner on cpu", "1x4"): _straddles(f"host 52.00 (seen) or 56.00 / 48.00: {SCRATCH} (on the host); {RACE}"),
     ("diloco outer on cpu", "1x4"): _apart(f"device 20.03 / 16.03: {SCRATCH}"),
     ("diloco outer on device inner on cpu", "1x4"): _apart(f"host 20.00 / 16.00: {SCRATCH} (on the host)"),
     ("sparseloco outer on device", "1x4"): _apart(f"device 72.74 / 64.28: {SCRATCH}; {PADDING}"),
