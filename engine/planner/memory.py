@@ -81,6 +81,7 @@ PIECE_ALIGN = 32  # engine/parallel/comm.py's: where a piece may start (with a c
 # compensated values, the rounded codes, the compression error, the re-encoded error) and its
 # decode of every rank's piece at once (fp32 values, unpacked codes, the payload's copy)
 OPTIMIZER_TEMP, ENCODE_TEMP, DECODE_TEMP, DELTA_TEMP = 8.0, 14.0, 7.0, 16.0
+INNER_PIECE = 1 << 20  # engine/strategies/inner_step.py's PIECE: a local step's fp32 piece scratch (min(V, it))
 
 
 
@@ -299,17 +300,19 @@ def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     if mode.sharding == "node":
         return local_node_sharded(mode, shape, layout, ws)
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
+    scratch = 4 * min(pt / share, INNER_PIECE)  # the inner step's piece scratch
     if mode.offload == "cpu":  # the inner state and the gradient's host copy in host memory; a node replica's
         # new slice goes to the device for the node's gather (a slice-sized temporary)
         return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, 12 * pt / share,
-                      4 * pt / share if share > 1 else 0.0, host=16 * pt / share)
-    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share, 12 * pt / share)
+                      4 * pt / share if share > 1 else 0.0, host=16 * pt / share + scratch)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share + scratch, 12 * pt / share)
 
 
 def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     """A local-step strategy on a model sharded over the node (engine/strategies/local_steps.py):
     per rank, V = P/G values, its FSDP2 local shards: e V parameters and one gradient buffer of e V
-    (FSDP2's unsharded blocks besides), the inner AdamW state 12 V, the outer state 12 V
+    (FSDP2's unsharded blocks besides), the inner AdamW state 12 V and its step's piece scratch
+    (4 min(V, INNER_PIECE)), the outer state 12 V
     (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
     bytes; the device keeps a piece of the exchange's wire rows (an averaging all-to-all runs in
@@ -324,7 +327,7 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     if mode.outer_state == "cpu":
         host, outer = outer + temps, 0.0
         temps = 2 * ws.pseudo_grad_bytes * v if whole_rows else 0.0
-    inner = 12 * v
+    inner = 12 * v + 4 * min(v, INNER_PIECE)  # the inner state and its step's piece scratch
     if mode.offload == "cpu":
         host, inner = host + inner + 4 * v, 0.0
     return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, inner, outer, temps, host)
