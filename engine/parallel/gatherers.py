@@ -16,7 +16,7 @@ import torch
 from acco_loco import kernel_policy, kernels
 from acco_loco.registry import WIRE_CODECS
 
-from ..runtime.host import nonfinite_rows, nonfinite_rows_parts, to_host
+from ..runtime.host import false_rows, nonfinite_rows, nonfinite_rows_parts
 from .comm import Comm
 from .wire_rows import _bytes_as, _decoded_rows, _scale_bytes, _segments
 
@@ -177,8 +177,7 @@ class DeltaParams(_Gatherer):
         self._held, finite, self._finite = None, self._finite, None
         if finite is None:
             return []
-        finite = to_host(finite)
-        return [j for j in range(comm.world_size) if not bool(finite[j])]
+        return false_rows(finite)
 
     def arrived(self, comm: Comm) -> list[int]:
         """Wait for every piece (kept rows); the ranks whose new shard was not finite (``apply`` if none)."""

@@ -112,6 +112,12 @@ def nonfinite_rows_parts(parts: list[torch.Tensor]) -> list[int]:
     return [j for j in range(parts[0].shape[0]) if not bool(finite[j])]
 
 
+def false_rows(flags: torch.Tensor) -> list[int]:
+    """Indices where a 1-D bool tensor (a per-row verdict kept on the device) is False: one host read."""
+    got = to_host(flags)
+    return [j for j in range(flags.numel()) if not bool(got[j])]
+
+
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """1.0 (a 0-d float64 tensor, on x's device) if x holds a NaN or an Inf, else 0.0; no host read."""
     lo, hi = torch.aminmax(x)
