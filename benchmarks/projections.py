@@ -8,10 +8,12 @@ stands on, the evidence itself, and the sanity checks against published figures.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.parallel.topology import Layout
 from engine.planner.evidence import MIN_SEEDS, all_points
 from engine.planner.goal import Goal
-from engine.planner.hardware import gpu
+from engine.planner.hardware import NODE_HOST_GIB, gpu
 from engine.planner.modes import Mode
 from engine.planner.recommend import make_plan
 from engine.planner.shape import PRESETS, from_shape
@@ -62,7 +64,7 @@ def projection_table() -> str:
         for nodes in (2, 8, 64):
             for link in (1, 10, 100):
                 layout = Layout(nodes, 8)
-                hw = gpu(link, mfu=MFU)
+                hw = replace(gpu(link, mfu=MFU), host_memory_bytes=NODE_HOST_GIB * 2**30 / 8)  # a DGX H100's
                 plans = [make_plan(shape, layout, hw, Batch(GLOBAL_BATCH, MICRO_BATCH), ws, results=RESULTS, goal=g)
                          for g in GOALS]
                 plan = plans[0]
@@ -101,7 +103,8 @@ def evidence_table() -> str:
 
 def seventy_b_note() -> str:
     """The planner's loss figure for 70B at B = 1024 (8 nodes x 8, 10 Gbit/s) with the B its evidence reaches."""
-    plan = make_plan(PRESETS["70b"], Layout(8, 8), gpu(10, mfu=MFU), Batch(GLOBAL_BATCH, MICRO_BATCH),
+    hw = replace(gpu(10, mfu=MFU), host_memory_bytes=NODE_HOST_GIB * 2**30 / 8)
+    plan = make_plan(PRESETS["70b"], Layout(8, 8), hw, Batch(GLOBAL_BATCH, MICRO_BATCH),
                      WireSettings(compute_bytes=2), results=RESULTS)
     out = []
     for m in (plan.choice.mode if plan.choice else None, Mode("acco", exchange=TWO, sharding="node"),
