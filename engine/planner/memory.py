@@ -56,9 +56,11 @@ optimizer, g = codec group, G = ranks per node:
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
-                      (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device;
+                      (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device,
+                      12/G and (diloco) piece-sized round temporaries on the host;
                       the inner state on the CPU too (optimizer_offload='cpu'): 2e/G on the device,
-                      (12 + 4)/G of the inner state and its gradient's host copy in host memory
+                      12/G of the inner state and its gradient's host copy in piece slots in host memory
+                      (a flat replica's: 4, whole: its norm is taken on the host)
 Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node sharding."""
 
 from __future__ import annotations
@@ -292,6 +294,21 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
 # as long as the outer state on the device with the state on the CPU: neither (an averaging
 # all-to-all runs then in column pieces of 4M values; top-k payloads are a few percent of the values)
 OUTER_TEMP = {"outer_sgd_s_per_param": (20.0, False), "outer_topk_s_per_param": (36.25, False)}
+# with the outer state on the CPU, a round that runs there in pieces (diloco's: the pseudo-gradient written
+# over the snapshot, the average over it a column piece at a time, the outer step proposed a piece at a
+# time; engine/strategies/diloco.py): bytes per value of one piece, min(V, OUTER_PIECE) values (the wire
+# rows of every rank's columns, the received rows and the gathered result; or the step's proposal and its
+# intermediate), measured by tests/engine/test_outer_round_pieces.py; and the full-size bytes per value
+# with outer_overlap (the pseudo-gradient then has a buffer of its own: the snapshot is merged after the round)
+OUTER_PIECE = 1 << 22  # engine/strategies/outer_state.py's PIECE (DiLoCo.outer_piece, wire_piece)
+OUTER_HOST_PIECES = {"outer_sgd_s_per_param": (12.0, 4.0)}
+INNER_GRAD_SLOTS = 2  # engine/runtime/offload.py's GRAD_SLOTS: a node replica's gradient on the host, in pieces
+
+
+def inner_gradient_host_bytes(values: float) -> float:
+    """A node replica's offloaded inner step: its gradient's host copy in GRAD_SLOTS slots of
+    INNER_PIECE values (engine/runtime/offload.py ``gradient_pieces``; one slot for a single piece)."""
+    return 4 * min(values, INNER_PIECE) * min(INNER_GRAD_SLOTS, math.ceil(values / INNER_PIECE))
 
 
 def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
@@ -301,10 +318,11 @@ def local(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
         return local_node_sharded(mode, shape, layout, ws)
     share = layout.ranks_per_node if mode.exchange == "two-level" else 1
     scratch = 4 * min(pt / share, INNER_PIECE)  # the inner step's piece scratch
-    if mode.offload == "cpu":  # the inner state and the gradient's host copy in host memory; a node replica's
-        # new slice goes to the device for the node's gather (a slice-sized temporary)
+    if mode.offload == "cpu":  # the inner state and the gradient's host copy in host memory (a node replica's:
+        # piece slots); a node replica's new slice goes to the device for the node's gather (a slice-sized temporary)
+        grad_copy = inner_gradient_host_bytes(pt / share) if share > 1 else 4 * pt
         return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, 12 * pt / share,
-                      4 * pt / share if share > 1 else 0.0, host=16 * pt / share + scratch)
+                      4 * pt / share if share > 1 else 0.0, host=12 * pt / share + grad_copy + scratch)
     return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 12 * pt / share + scratch, 12 * pt / share)
 
 
@@ -316,20 +334,25 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
     bytes; the device keeps a piece of the exchange's wire rows (an averaging all-to-all runs in
-    pieces then; top-k payloads are a few percent of V). With the inner state on the CPU
-    (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's host copy 4 V
-    are host bytes; the device keeps no inner state (the new parameters go into FSDP2's local
-    shards from the host, a parameter at a time)."""
+    pieces then; top-k payloads are a few percent of V); diloco's round there makes piece-sized
+    temporaries only (OUTER_HOST_PIECES: 12 min(V, 2^22), + 4 V with outer_overlap). With the inner
+    state on the CPU (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's
+    host copy (two slots of min(V, 2^20) values) are host bytes; the device keeps no inner state
+    (the new parameters go into FSDP2's local shards from the host, a parameter at a time)."""
     e, g = ws.compute_bytes, layout.ranks_per_node
     v, frozen = shape.trainable / g, (shape.params - shape.trainable) / g
     per_value, whole_rows = OUTER_TEMP.get(mode.spec.outer_cost, max(OUTER_TEMP.values()))
     outer, temps, host = 12 * v, per_value * v, 0.0
     if mode.outer_state == "cpu":
+        pieces = OUTER_HOST_PIECES.get(mode.spec.outer_cost)
+        if pieces is not None:
+            piece_bytes, overlap_bytes = pieces
+            temps = piece_bytes * min(v, OUTER_PIECE) + (overlap_bytes * v if mode.outer_overlap else 0.0)
         host, outer = outer + temps, 0.0
         temps = 2 * ws.pseudo_grad_bytes * v if whole_rows else 0.0
     inner = 12 * v + 4 * min(v, INNER_PIECE)  # the inner state and its step's piece scratch
     if mode.offload == "cpu":
-        host, inner = host + inner + 4 * v, 0.0
+        host, inner = host + inner + inner_gradient_host_bytes(v), 0.0
     return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, inner, outer, temps, host)
 
 

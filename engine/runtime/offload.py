@@ -23,7 +23,9 @@ The local-step strategies (diloco, sparseloco: engine/strategies/local_steps.py)
 ``HostOptimizer`` for their inner optimizer: the gradient (the whole buffer, a node replica's slice
 or the local shards) comes to the host in pieces, each piece is stepped once it has landed
 (engine/strategies/inner_step.py, one piece-sized host scratch), and the new master goes back into
-the compute parameters piece by piece (``send``). local_sgd's state is its replica's parameters
+the compute parameters piece by piece (``send``). Where the step's norm was taken on the device (a
+node replica's step: the node's all-reduce) the host keeps no full-size gradient copy, only
+``GRAD_SLOTS`` piece-long slots the pieces take in turn (``gradient_pieces``). local_sgd's state is its replica's parameters
 (``ctx.gather_buf``): ``HostParams`` keeps them in host memory and steps them there the same way.
 """
 
@@ -37,6 +39,7 @@ from acco_loco.shard_state import SCRATCH_SLOTS, ShardState
 
 OFFLOADS = ("none", "cpu")  # EngineConfig optimizer_offload
 OFFLOAD_PIECE = 1 << 22  # values per host step and per device staging piece of a whole-buffer copy
+GRAD_SLOTS = 2  # a local step's gradient pieces on the host at once: one stepped, the next copying
 
 
 def pin_host() -> bool:
@@ -69,7 +72,9 @@ class HostOptimizer:
     """The offloaded state and the copies across. ``state`` (the context's ShardState) is rebound
     to host tensors here; what reads it afterwards reads host memory."""
 
-    def __init__(self, state: ShardState, device: torch.device) -> None:
+    def __init__(self, state: ShardState, device: torch.device, whole_gradient: bool = True) -> None:
+        """``whole_gradient`` False: no full-size host copy of the gradient; a step reads it through
+        ``gradient_pieces`` (a local step whose norm was taken on the device)."""
         self.device = torch.device(device)
         self.pinned = pin_host()
         self.async_copies = self.device.type == "cuda"
@@ -81,7 +86,9 @@ class HostOptimizer:
         state.pinned = self.pinned  # its spare and scratch are allocated pinned too
         self.state = state
         n = state.master.numel()
-        self.grad = host_empty(n, self.pinned)  # the round's reduced gradient (a commit may step it twice)
+        # the round's reduced gradient (a commit may step it twice), or GRAD_SLOTS piece-long slots
+        self.grad = host_empty(n, self.pinned) if whole_gradient else None
+        self.grad_slots: list[torch.Tensor] = []
         self.kernel_scratch: torch.Tensor | None = None  # the fused kernel's square roots, on the host
         self._staging: list[torch.Tensor] = []  # device: the new master's pieces on their way to the gatherer
         self._arrived: list = []  # CUDA: an event per piece of the gradient's copy to the host
@@ -124,6 +131,9 @@ class HostOptimizer:
     def fetch_gradient(self, step_sum: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
         """Start copying the reduced gradient to the host buffer, piece by piece; ``wait(k)``
         before reading piece k. Returns the host buffer (shard indices, as ``step_sum``)."""
+        if self.grad is None:
+            raise RuntimeError("this offload keeps no whole host copy of the gradient (whole_gradient=False): "
+                               "read it through gradient_pieces")
         if step_sum.numel() != self.grad.numel():
             raise ValueError(f"gradient shard of {step_sum.numel()} values, host state of {self.grad.numel()}")
         self._arrived = []
@@ -135,6 +145,42 @@ class HostOptimizer:
                 self._arrived.append(event)
             self.bytes_to_host += 4 * (b - a)
         return self.grad
+
+    def gradient_pieces(self, step_sum: torch.Tensor, pieces: list[tuple[int, int]]):
+        """The gradient's host copy in GRAD_SLOTS piece-long slots taken in turn: returns
+        ``ready(k)``, piece k's values on the host (a slot's view), to be called for k = 0, 1, ...
+        and each piece read before the next call. Piece k goes into slot k % GRAD_SLOTS once piece
+        k - GRAD_SLOTS has been read; on CUDA the copies run ahead, asynchronously, one slot beyond
+        the piece being stepped."""
+        if step_sum.numel() != self.state.master.numel():
+            raise ValueError(f"gradient of {step_sum.numel()} values, host state of {self.state.master.numel()}")
+        width = max((b - a for a, b in pieces), default=0)
+        slots = min(GRAD_SLOTS, len(pieces))
+        for i in range(slots):
+            if i == len(self.grad_slots):
+                self.grad_slots.append(host_empty(width, self.pinned))
+            elif self.grad_slots[i].numel() < width:
+                self.grad_slots[i] = host_empty(width, self.pinned)
+        arrived: list = []
+        copying = [0]  # the pieces whose copy has been started
+
+        def ready(k: int) -> torch.Tensor:
+            while copying[0] < min(len(pieces), k + GRAD_SLOTS):  # piece k - 1 is read: its slot is free
+                j = copying[0]
+                a, b = pieces[j]
+                self.grad_slots[j % GRAD_SLOTS][:b - a].copy_(step_sum[a:b], non_blocking=self.async_copies)
+                if self.async_copies:
+                    event = torch.cuda.Event()
+                    event.record()
+                    arrived.append(event)
+                self.bytes_to_host += 4 * (b - a)
+                copying[0] += 1
+            if arrived:
+                arrived[k].synchronize()
+            a, b = pieces[k]
+            return self.grad_slots[k % GRAD_SLOTS][:b - a]
+
+        return ready
 
     def wait(self, k: int) -> None:
         """Piece k of the gradient is in host memory."""
@@ -190,13 +236,14 @@ class HostOptimizer:
         return self.state.master.to(self.device, copy=True)
 
     def host_kernel_scratch(self) -> torch.Tensor:
-        if self.kernel_scratch is None or self.kernel_scratch.numel() != self.grad.numel():
-            self.kernel_scratch = host_empty(self.grad.numel(), self.pinned)
+        n = self.state.master.numel()
+        if self.kernel_scratch is None or self.kernel_scratch.numel() != n:
+            self.kernel_scratch = host_empty(n, self.pinned)
         return self.kernel_scratch
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every tensor this offload keeps in host memory (for the memory accounting)."""
-        out = [self.grad] + list(self.state.tensors().values())
+        out = ([self.grad] if self.grad is not None else []) + self.grad_slots + list(self.state.tensors().values())
         spare, scratch = self.state._spare, self.state._scratch
         if spare is not None:
             out += list(spare.tensors().values())

@@ -60,35 +60,51 @@ class DiLoCo(LocalStepStrategy):
         self.spec = outer_sgd_spec(cfg.outer_momentum, cfg.outer_momentum_kind == "nesterov")
         self.wire = WIRE_DTYPES[cfg.pseudo_grad_dtype]
 
+    def form_pseudo_gradient(self) -> torch.Tensor:
+        """With the outer state on the CPU and no overlap, Delta_w is written over the snapshot s_w
+        (the same subtraction, the same bits): nothing reads s_w after its round (it is saved, and
+        merged, only with overlap), so the round makes no full-size pseudo-gradient (4 B a value)."""
+        if self.cfg.outer_state_device != "cpu" or self.plan.overlap:
+            return super().form_pseudo_gradient()
+        return torch.sub(self.theta_sync, self.submitted, out=self.submitted)
+
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
         """The outer step piece by piece, twice: first whether every new value is finite (the same
         verdict on every replica), then written in place (theta_sync and the momentum are
-        persistent buffers the compute side reads): no full-size proposal (8 bytes per value)."""
+        persistent buffers the compute side reads): no full-size proposal (8 bytes per value).
+        With the outer state on the CPU the average is written over ``delta``."""
         mean = self.average(ctx, delta, shares)
-        lr, n = ctx.cfg.outer_lr, mean.numel()
+        lr, n, step = ctx.cfg.outer_lr, mean.numel(), self.outer_piece
         finite = torch.ones((), dtype=torch.bool, device=mean.device)
-        for a in range(0, n, PIECE):
-            finite &= torch.isfinite(self._piece(mean, a, a + PIECE, lr).master).all()
+        for a in range(0, n, step):
+            finite &= torch.isfinite(self._piece(mean, a, a + step, lr).master).all()
         if not host_flag(finite):
             return False
-        for a in range(0, n, PIECE):
-            piece = self._piece(mean, a, a + PIECE, lr)
-            self.theta_sync[a:a + PIECE].copy_(piece.master)
-            self.momentum[a:a + PIECE].copy_(piece.exp_avg)
+        for a in range(0, n, step):
+            self._install_piece(mean, a, a + step, lr)
         self.outer_steps += 1
         return True
+
+    def _install_piece(self, mean: torch.Tensor, a: int, b: int, lr: float) -> None:
+        """Values [a, b) of the outer step written into theta_sync and the momentum (a call of its
+        own: the piece's proposal is freed before the next piece's is made)."""
+        piece = self._piece(mean, a, b, lr)
+        self.theta_sync[a:b].copy_(piece.master)
+        self.momentum[a:b].copy_(piece.exp_avg)
 
     def _piece(self, mean: torch.Tensor, a: int, b: int, lr: float) -> ShardState:
         """Values [a, b) of the outer step's proposal (momentum SGD is elementwise: the same bits)."""
         state = ShardState(master=self.theta_sync[a:b], exp_avg=self.momentum[a:b], step=self.outer_steps)
         return outer_sgd_step(state, mean[a:b], lr, self.spec)
 
+    outer_piece = PIECE  # values of the outer step's proposal at a time (the tests set fewer)
     wire_piece = PIECE  # values of every rank's columns together per exchange, with the outer state on the CPU
 
     def average(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
         """sum_w shares[w] Delta_w, in fp32, via reduce-scatter + all-gather in the wire dtype. With
         the outer state on the CPU the exchange runs over column pieces of the [world, L] rows, so
-        the device holds a piece of the wire rows, not the whole (each value's sum is the same)."""
+        the device holds a piece of the wire rows, not the whole (each value's sum is the same), and
+        each piece's average is written over the columns of ``delta`` it was sent from."""
         comm, n, place = ctx.comm, ctx.comm.world_size, self.place
         if self.cfg.outer_state_device == "cpu":
             return self._average_in_pieces(comm, delta, shares)
@@ -103,21 +119,28 @@ class DiLoCo(LocalStepStrategy):
         return place.from_wire(out).to(torch.float32)
 
     def _average_in_pieces(self, comm, delta: torch.Tensor, shares: list[float]) -> torch.Tensor:
-        n, place = comm.world_size, self.place
+        """The average over ``delta`` itself: a piece's columns are sent (all_to_all_rows returns
+        once its send has been read) before they are overwritten, and no later piece reads them."""
+        n = comm.world_size
         cols = delta.numel() // n
         step = max(1, self.wire_piece // n)
-        out = torch.empty(delta.numel(), dtype=torch.float32, device=place.device)
         for c0 in range(0, cols, step):
-            c1 = min(cols, c0 + step)
-            rows = comm.all_to_all_rows(place.to_wire(delta.view(n, cols)[:, c0:c1].to(self.wire)))
-            mine = torch.zeros(c1 - c0, dtype=torch.float32, device=rows.device)
-            for rank, share in enumerate(shares):
-                if share:
-                    mine.add_(rows[rank].to(torch.float32), alpha=share)
-            got = torch.empty(n * (c1 - c0), dtype=self.wire, device=rows.device)
-            comm.all_gather(mine.to(self.wire), got)
-            out.view(n, cols)[:, c0:c1].copy_(place.from_wire(got.view(n, c1 - c0)).to(torch.float32))
-        return out
+            self._average_piece(comm, delta.view(n, cols)[:, c0:min(cols, c0 + step)], shares)
+        return delta
+
+    def _average_piece(self, comm, columns: torch.Tensor, shares: list[float]) -> None:
+        """``columns`` ([world, c], a view of the pseudo-gradient) replaced by their average (a call
+        of its own: the piece's wire rows are freed before the next piece's are made). The gathered
+        averages go into the received rows, which the sum has finished reading."""
+        n, c, place = comm.world_size, columns.shape[1], self.place
+        rows = comm.all_to_all_rows(place.to_wire(columns.to(self.wire)))
+        mine = torch.zeros(c, dtype=torch.float32, device=rows.device)
+        for rank, share in enumerate(shares):
+            if share:
+                mine.add_(rows[rank].to(torch.float32), alpha=share)
+        got = rows.view(-1) if rows.is_contiguous() else torch.empty(n * c, dtype=self.wire, device=rows.device)
+        comm.all_gather(mine.to(self.wire), got)
+        columns.copy_(place.from_wire(got.view(n, c)).to(torch.float32))
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"outer.momentum": self.momentum}

@@ -35,30 +35,35 @@ class PieceStep:
         constant), so the parameters stay finite unless they were already near the fp32 limit:
         returns False then (the caller refuses it). ``fused``: acco_loco.optim.can_fuse's verdict.
         ``ready(k)``: waits until piece k of ``grad_sum`` is there (an offloaded step's gradient,
-        still copying to the host: engine/runtime/offload.py)."""
-        n = grad_sum.numel()
-        if self.scratch is None or self.scratch.device != grad_sum.device:
-            self.scratch = torch.empty(min(n, PIECE), dtype=torch.float32, device=grad_sum.device)
+        still copying to the host: engine/runtime/offload.py); where it returns a tensor, that is
+        piece k's fp32 values (a host slot), and ``grad_sum`` is only where they came from."""
+        n = state.master.numel()  # the step runs where the state is (with offload, on the host)
+        if self.scratch is None or self.scratch.device != state.master.device:
+            self.scratch = torch.empty(min(n, PIECE), dtype=torch.float32, device=state.master.device)
         for k, a in enumerate(range(0, n, PIECE)):
             b = min(n, a + PIECE)
-            if ready is not None:
-                ready(k)
-            if fused or grad_sum.dtype == torch.float32:
+            piece = ready(k) if ready is not None else None
+            if piece is None and (fused or grad_sum.dtype == torch.float32):
                 propose_slice(state, grad_sum, count, coef, lr, spec, state, a, b, self.scratch, fused)
                 continue
-            # a low-precision gradient (a sharded bf16 model's): each piece in fp32 before it is divided
+            # a piece of its own (a host slot), or a low-precision gradient (a sharded bf16 model's):
+            # each piece in fp32 before it is divided; AdamW is elementwise, so the same bits
             view = ShardState(*(t[a:b] if t is not None and t.numel() == n else t
                                 for t in (state.master, state.exp_avg, state.exp_avg_sq)), state.step)
-            propose_slice(view, grad_sum[a:b].to(torch.float32), count, coef, lr, spec, view, 0, b - a,
-                          self.scratch, False)
+            if piece is None:
+                piece, fused_piece = grad_sum[a:b].to(torch.float32), False
+            else:
+                fused_piece = fused
+            propose_slice(view, piece, count, coef, lr, spec, view, 0, b - a, self.scratch, fused_piece)
         state.step += 1
         return math.isfinite(float(torch.dot(state.master, state.master))) or bool(torch.isfinite(state.master).all())
 
 
-def offloaded(state: ShardState, device: torch.device, step: PieceStep) -> HostOptimizer:
+def offloaded(state: ShardState, device: torch.device, step: PieceStep, whole_gradient: bool = True) -> HostOptimizer:
     """optimizer_offload='cpu' (engine/runtime/offload.py): ``state`` rebound to host memory, and
-    ``step`` given a piece-sized host scratch."""
-    offload = HostOptimizer(state, device)
+    ``step`` given a piece-sized host scratch. ``whole_gradient`` False: the gradient comes to the
+    host in piece slots only (``HostOptimizer.gradient_pieces``; the norm is taken elsewhere)."""
+    offload = HostOptimizer(state, device, whole_gradient)
     step.scratch = offload.host_piece_scratch(min(state.master.numel(), PIECE))
     return offload
 

@@ -159,7 +159,9 @@ class LocalStepStrategy(Strategy):
         self.theta_sync = self.place.copy_of(master.detach())
         self.submitted = torch.zeros_like(self.theta_sync)
         if ctx.cfg.optimizer_offload == "cpu":
-            self.offload = offloaded(ctx.shard_state, master.device, self._step_in_place)
+            # a node replica's norm is the node's all-reduce on the device: its gradient comes in piece slots
+            self.offload = offloaded(ctx.shard_state, master.device, self._step_in_place,
+                                     whole_gradient=self.replica is None)
         self.setup_outer(ctx)
         self.period_start = time.perf_counter()
 
@@ -233,10 +235,11 @@ class LocalStepStrategy(Strategy):
         if not math.isfinite(norm):
             return self._skip_inner(ctx, step_index, lr, loss_sum / n, "non-finite gradient")
         coef = clip_coefficient(norm, cfg.max_grad_norm)
-        grad, ready = part, None
-        if self.offload is not None:  # each piece stepped on the host once its copy has landed
-            grad, ready = self.offload.fetch_gradient(part, pieces_of(part.numel(), PIECE)), self.offload.wait
-        fits = self._step_in_place(state, grad, n, coef, lr, ctx.spec, can_fuse(ctx.spec, grad, state), ready)
+        ready, fused = None, can_fuse(ctx.spec, part, state)
+        if self.offload is not None:  # each piece stepped on the host in its slot, once its copy has landed
+            ready = self.offload.gradient_pieces(part, pieces_of(part.numel(), PIECE))
+            fused = can_fuse(ctx.spec, self.offload.grad_slots[0], state)  # fp32 host slots
+        fits = self._step_in_place(state, part, n, coef, lr, ctx.spec, fused, ready)
         if rep.agree(small_vector([float(not fits)], part.device))[0] > 0:
             raise NonFiniteGradientError(
                 f"inner step {step_index + 1} on the node of rank {ctx.comm.rank} gave non-finite parameters from a "
@@ -351,7 +354,7 @@ class LocalStepStrategy(Strategy):
         comm, t0 = ctx.comm, time.perf_counter()
         own = [comm] if self.replica is None else [comm, self.replica.rail, self.replica.outer_node]
         before = sum(c.sent for c in own)  # the compute thread's inner steps may send meanwhile
-        delta = pseudo_gradient(self.theta_sync, self.submitted)
+        delta = self.form_pseudo_gradient()
         totals = self._agree(ctx, req, self.place.to_wire(nonfinite_flag(delta)))
         self.last = totals
         skipped, reason = bool(totals.bad_ranks), "non-finite pseudo-gradient from"
@@ -389,6 +392,11 @@ class LocalStepStrategy(Strategy):
                                          f"{flagged[1]}: lower the learning rates, or set nan_policy='skip'")
         return OuterTotals(int(small[0]), sum(samples), float(small[1]), sample_shares(samples), *flagged,
                            rank_samples=samples)
+
+    def form_pseudo_gradient(self) -> torch.Tensor:
+        """Delta_w = theta_sync - s_w, the round's input: a new tensor (a subclass may form it over
+        the snapshot, which a round without overlap reads nowhere else)."""
+        return pseudo_gradient(self.theta_sync, self.submitted)
 
     def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
         """Exchange this worker's contribution and move theta_sync in place; False (nothing

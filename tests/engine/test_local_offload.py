@@ -131,8 +131,8 @@ def test_local_offload_resumes_bit_exact_and_loads_either_way(tmp_path):
 
 def test_the_planner_moves_the_inner_state_to_the_host():
     """engine/planner: a node-sharded local-step row with the inner state on the CPU keeps none of its
-    12 V on the device (V = P/G values a rank), holds it and the gradient's host copy (16 V) in host
-    memory, and pays the host step and the copies each inner step; the row exists in the candidates."""
+    12 V on the device (V = P/G values a rank), holds it (12 V) and the gradient's host copy (two
+    piece slots) in host memory, and pays the host step and the copies each inner step; the row exists in the candidates."""
     from engine.parallel.topology import Layout
     from engine.planner.hardware import gpu
     from engine.planner import memory
@@ -153,7 +153,9 @@ def test_the_planner_moves_the_inner_state_to_the_host():
         a, b = memory_per_gpu(kept, shape, layout, ws), memory_per_gpu(moved, shape, layout, ws)
         scratch = 4 * min(v, memory.INNER_PIECE)  # the inner step's piece scratch, with the state
         assert a.optimizer == pytest.approx(12 * v + scratch) and b.optimizer == 0.0
-        assert b.host - a.host == pytest.approx(16 * v + scratch) and a.total - b.total == pytest.approx(12 * v + scratch)
+        grad_copy = memory.inner_gradient_host_bytes(v)  # the node's gradient in two piece slots on the host
+        assert b.host - a.host == pytest.approx(12 * v + grad_copy + scratch)
+        assert a.total - b.total == pytest.approx(12 * v + scratch)
         slower = step_time(moved, shape, layout, hw, batch).step_s - step_time(kept, shape, layout, hw, batch).step_s
         assert 0 < slower <= offload_inner_s(v * 1.001), (strategy, slower)
     flat = memory_per_gpu(Mode("diloco", offload="cpu"), shape, Layout(2, 1), ws)

@@ -1,0 +1,122 @@
+"""diloco with the outer state on the CPU makes only piece-sized temporaries in its outer round, and a
+node replica's offloaded inner step keeps its gradient's host copy in two piece slots (issue 41: 70B
+within a node's host memory). The pieces are made small here (1024 values; the engine's are 2^22 for
+the outer round, 2^20 for the inner step) so that a round runs in many of them on a small model; the
+values must stay those of the run with the outer state on the device, bit for bit.
+
+Real gloo groups, 2 nodes x 2 ranks, model_sharding='node', fp32, the torch path (what a GPU runs).
+What is held against what (engine/planner/memory.py ``local_node_sharded``):
+- a round's largest set of temporaries (engine/runtime/memory_accounting.py track_round_temporaries)
+  against OUTER_HOST_PIECES: 12 bytes per value of a piece, + 4 per local value with outer_overlap
+  (the pseudo-gradient's own buffer), and up to 8 per value of a piece that gloo releases late here;
+- the offload's host bytes (host_held_bytes) against the inner AdamW state 12 V, two gradient slots
+  and the step's scratch, each a piece long."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.parallel.local_group import spawn
+from engine.planner import memory
+from tests.engine.test_model_sharding import whole_params
+
+PIECE = 1024  # values per outer piece, per exchange (every rank's columns together) and per inner piece
+H, ROUNDS = 2, 3
+
+
+def _set_pieces(outer: int, inner: int) -> None:
+    """The piece sizes the engine reads at run time (inner_step's PIECE is read by the step and by
+    local_steps' gradient pieces: the two must agree)."""
+    from engine.strategies import inner_step, local_steps
+    from engine.strategies.diloco import DiLoCo
+
+    DiLoCo.outer_piece = DiLoCo.wire_piece = outer
+    inner_step.PIECE = local_steps.PIECE = inner
+
+
+def _train(rank: int, **kw) -> dict:
+    from engine import Engine, EngineConfig
+    from engine.runtime.memory_accounting import host_held_bytes, track_round_temporaries
+    from tests.engine.test_memory_accounting_sharded import Blocks, _loss, _stream
+
+    cfg = EngineConfig(strategy="diloco", lr=1e-2, weight_decay=0.1, micro_batches=1, accumulation="fixed",
+                       max_steps=ROUNDS * H, inner_steps=H, outer_lr=0.7, outer_momentum=0.9,
+                       topology="two_level", model_sharding="node", **kw)
+    engine = Engine(Blocks(), cfg, _loss)
+    peaks = track_round_temporaries(engine.strategy)
+    it, snaps, losses = iter(_stream(rank, ROUNDS * H + 1)), [], []
+    for _ in range(ROUNDS * H):
+        losses += [h["loss"] for h in engine.fit(it, steps=1)]
+        snaps.append(whole_params(engine.model))
+    st = engine.strategy
+    out = {"snaps": snaps, "loss": losses, "sync": st.theta_sync.detach().cpu().clone(), "peaks": peaks,
+           "host": host_held_bytes(st), "values": st.theta_sync.numel(),
+           "slots": [t.numel() for t in st.offload.grad_slots] if st.offload is not None else None,
+           "whole_grad": st.offload is not None and st.offload.grad is not None}
+    engine.close()
+    return out
+
+
+def _runs(rank: int, world: int) -> dict:
+    from acco_loco import kernels
+
+    kernels.use(False)  # the torch path: what runs on a GPU (and its temporaries are what the mode sees)
+    out = {}
+    for overlap in (False, True):  # the references first, at the engine's own pieces
+        out["device", overlap] = _train(rank, outer_overlap=overlap)
+    _set_pieces(PIECE, PIECE)
+    for overlap in (False, True):
+        out["cpu", overlap] = _train(rank, outer_overlap=overlap, outer_state_device="cpu", optimizer_offload="cpu")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_outer_round_on_host_state_makes_piece_sized_temporaries():
+    runs = spawn(_runs, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=500)
+    piece_bytes, overlap_bytes = memory.OUTER_HOST_PIECES["outer_sgd_s_per_param"]
+    for r, run in enumerate(runs):
+        for overlap in (False, True):
+            got, want = run["cpu", overlap], run["device", overlap]
+            for t, (a, b) in enumerate(zip(got["snaps"], want["snaps"])):
+                assert torch.equal(a, b), (r, overlap, t)
+            assert got["loss"] == want["loss"] and torch.equal(got["sync"], want["sync"]), (r, overlap)
+            v = got["values"]
+            assert v > 16 * PIECE  # many pieces, or the test shows nothing
+            # every round's temporaries: a piece's (12 bytes a value: the step's proposal and its
+            # intermediate), and with overlap the pseudo-gradient's own buffer; the small all-reduce besides.
+            # On this CPU-only machine the exchange's wire rows are host tensors too, and gloo's thread may
+            # release an earlier piece's sent and received rows (8 bytes a value) after the next piece's are
+            # made: allowed here; on a GPU those rows are device pieces, not host bytes
+            bound = piece_bytes * PIECE + 8 * PIECE + (overlap_bytes * v if overlap else 0) + 1024
+            row = (f"rank {r} overlap {overlap}: round temporaries {max(got['peaks'])} bytes (bound {bound}; "
+                   f"on the device {max(want['peaks'])}), {v} local values")
+            print(row)
+            assert len(got["peaks"]) == ROUNDS and max(got["peaks"]) <= bound, row
+            assert max(got["peaks"]) >= piece_bytes * PIECE - 1024, row  # the formula's piece is what is made
+            # the inner state, the gradient in two piece slots (no whole copy), the step's piece scratch
+            assert got["slots"] == [PIECE, PIECE] and not got["whole_grad"], got["slots"]
+            assert got["host"] == 12 * v + 2 * 4 * PIECE + 4 * PIECE, (r, got["host"], v)
+
+
+def test_the_planner_keeps_diloco_host_round_piece_sized():
+    """At 70B on 8 x 8 (V = P/G) the diloco row with the outer and inner state on the CPU holds 24 bytes
+    a local value in host memory and a few pieces (12 of the outer state, 12 of the inner), not 48."""
+    from engine.parallel.topology import Layout
+    from engine.planner.modes import Mode
+    from engine.planner.shape import PRESETS
+    from engine.planner.wire import WireSettings
+
+    shape, layout, ws = PRESETS["70b"], Layout(8, 8), WireSettings(compute_bytes=2)
+    v = shape.trainable / 8
+    row = Mode("diloco", exchange="two-level", sharding="node", outer_state="cpu", offload="cpu")
+    got = memory.memory_per_gpu(row, shape, layout, ws)
+    pieces = 12 * memory.OUTER_PIECE + 2 * 4 * memory.INNER_PIECE + 4 * memory.INNER_PIECE
+    assert got.host == pytest.approx(24 * v + pieces)
+    overlapped = memory.memory_per_gpu(Mode("diloco", exchange="two-level", sharding="node", outer_state="cpu",
+                                            offload="cpu", outer_overlap=True), shape, layout, ws)
+    assert overlapped.host == pytest.approx(28 * v + pieces)
+    sparse = memory.memory_per_gpu(Mode("sparseloco", exchange="two-level", sharding="node", outer_state="cpu",
+                                        offload="cpu"), shape, layout, ws)  # its round is whole-size still
+    assert sparse.host == pytest.approx((24 + 36.25) * v + 2 * 4 * memory.INNER_PIECE + 4 * memory.INNER_PIECE)
