@@ -37,7 +37,10 @@ def _set_pieces(outer: int, inner: int) -> None:
 
 def _train(rank: int, **kw) -> dict:
     from engine import Engine, EngineConfig
-    from engine.runtime.memory_accounting import host_held_bytes, track_round_temporaries
+    from engine.runtime.memory_accounting import (
+        host_held_bytes,
+        track_round_temporaries,
+    )
     from tests.engine.test_memory_accounting_sharded import Blocks, _loss, _stream
 
     cfg = EngineConfig(strategy="diloco", lr=1e-2, weight_decay=0.1, micro_batches=1, accumulation="fixed",
@@ -120,3 +123,29 @@ def test_the_planner_keeps_diloco_host_round_piece_sized():
     sparse = memory.memory_per_gpu(Mode("sparseloco", exchange="two-level", sharding="node", outer_state="cpu",
                                         offload="cpu"), shape, layout, ws)  # its round is whole-size still
     assert sparse.host == pytest.approx((24 + 36.25) * v + 2 * 4 * memory.INNER_PIECE + 4 * memory.INNER_PIECE)
+
+
+def test_gradient_pieces_take_two_slots_in_turn_and_give_every_piece():
+    """HostOptimizer.gradient_pieces (engine/runtime/offload.py): each piece's values, from two host slots
+    reused in turn (piece k in slot k % 2), counted once; a bf16 gradient arrives as fp32; no whole copy."""
+    from acco_loco.shard_state import ShardState
+    from engine.runtime.offload import GRAD_SLOTS, HostOptimizer, pieces_of
+
+    n, piece = 10, 3
+    state = ShardState(master=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n), step=0)
+    offload = HostOptimizer(state, torch.device("cpu"), whole_gradient=False)
+    grad = torch.arange(n, dtype=torch.bfloat16)
+    pieces = pieces_of(n, piece)
+    ready = offload.gradient_pieces(grad, pieces)
+    storages = []
+    for k, (a, b) in enumerate(pieces):
+        got = ready(k)
+        assert got.dtype == torch.float32 and torch.equal(got, grad[a:b].float()), (k, got)
+        storages.append(got.untyped_storage().data_ptr())
+    assert GRAD_SLOTS == 2 and storages == [storages[0], storages[1]] * 2 and storages[0] != storages[1]
+    assert offload.grad is None and offload.bytes_to_host == 4 * n
+    assert sum(t.numel() for t in offload.host_tensors()) == 3 * n + 2 * piece
+    with pytest.raises(RuntimeError, match="gradient_pieces"):
+        offload.fetch_gradient(grad, pieces)
+    with pytest.raises(ValueError, match="host state of 10"):
+        offload.gradient_pieces(torch.zeros(n + 1), pieces)
