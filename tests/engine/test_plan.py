@@ -166,14 +166,18 @@ def test_recommendation_keeps_adamw_and_follows_the_link():
     shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
     batch = Batch(16, 4)
     slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS)
-    # at B = 16 ACCO's measured cost (+1.1 to +1.4%: the benchmark's 3 seeds and the loss grid's 2) is
-    # above the 0.5% bound; zero1 with LoCo-4 and int4 deltas has rows of its own in the loss grid
-    # (2 seeds, within the bound) and is the fastest on a slow link
-    assert slow.choice.mode == Mode("zero1", "loco4", "int4"), slow.why
+    # zero1 with LoCo-4 has rows of its own in the loss grid (2 seeds, within the bound at its longest
+    # run, 12288 samples: +0.36% with int8 deltas; int4 deltas +0.55%) and is the fastest on a slow link
+    # that keeps AdamW's loss; acco + LoCo-4 + int4 deltas is measured there too (-0.02%) but slower
+    assert slow.choice.mode.strategy == "zero1" and slow.choice.mode.codec == "loco4", slow.why
     assert slow.choice.loss.measured and slow.choice.loss.value <= 0.5
     assert all(p.source.startswith("loss_grid/") and len(p.seeds) >= 2 for p in slow.choice.loss.basis)
     acco = next(r for r in slow.rows if r.mode == Mode("acco", "loco4", "int4"))
-    assert acco.loss.measured and acco.loss.value > 0.5  # measured, above the bound: left out
+    assert acco.loss.measured and acco.loss.value <= 0.5 and acco.time.step_s > slow.choice.time.step_s
+    # every faster mode of the same exchange was left out for a measured reason or for want of rows
+    for r in slow.rows:
+        if r.time.step_s < slow.choice.time.step_s and r.mode.exchange == slow.choice.mode.exchange and r.fits:
+            assert not r.loss.measured or r.loss.value > 0.5 or not r.adamw_class, r.mode.name
     # reaching AdamW's loss soonest: the same 4-bit exchange, by its measured samples factor
     soon = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS,
                      goal=Goal("time_to_loss"))
@@ -297,8 +301,10 @@ def test_samples_factor_comes_from_the_measured_runs():
 
     assert factor(Mode("torch-ddp")).value == 1.0
     assert not factor(Mode("torch-ddp", ddp_dtype="bfloat16")).measured  # never measured
-    acco = factor(Mode("acco", "loco4", "int4"))
-    assert 1.0 < acco.value < 1.4, acco.sources()  # 1.18x AdamW's samples at B = 16
+    acco = factor(Mode("acco", "loco4", "int4"), 16, 3072)
+    assert 1.0 < acco.value < 1.4, acco.sources()  # 1.18x AdamW's samples at B = 16, 3072 samples
+    longer = factor(Mode("acco", "loco4", "int4"))  # the longest measured at B = 16: the grid's 12288
+    assert longer.measured and all(p.samples == 12288 for p in longer.basis) and 0.9 < longer.value < 1.1
     assert factor(Mode("zero1"), 96, 3072).value == pytest.approx(1.0, abs=0.02)
     sparse = factor(Mode("sparseloco"))
     assert 1.7 < sparse.value < 2.4  # twice AdamW's samples at H = 15
