@@ -58,7 +58,10 @@ class PieceEncoder:
         return dense
 
     def payload(self) -> Tensor:
-        return torch.cat([t for part in self.parts for t in part])
+        """The joined payload; the pieces' own are let go (the encoder starts again empty)."""
+        joined = torch.cat([t for part in self.parts for t in part])
+        self.parts = [[], [], []]
+        return joined
 
 
 def decode_piece(codec: TopKCodec, payload: Tensor, numel: int, a: int, b: int) -> tuple[Tensor, Tensor]:

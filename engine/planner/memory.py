@@ -57,7 +57,7 @@ optimizer, g = codec group, G = ranks per node:
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
                       (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device,
-                      12/G and (diloco) piece-sized round temporaries on the host;
+                      12/G and piece-sized round temporaries (sparseloco: and its payloads) on the host;
                       the inner state on the CPU too (optimizer_offload='cpu'): 2e/G on the device,
                       12/G of the inner state and its gradient's host copy in piece slots in host memory
                       (a flat replica's: 4, whole: its norm is taken on the host)
@@ -68,6 +68,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from acco_loco.topk_codec import TopKCodec
 from engine.parallel.topology import Layout
 from engine.runtime.offload import OFFLOAD_PIECE
 from engine.strategies.spec import MemorySpec, WireSettings, resolve_error_after_skip, resolve_step_copy
@@ -301,8 +302,29 @@ OUTER_TEMP = {"outer_sgd_s_per_param": (20.0, False), "outer_topk_s_per_param": 
 # intermediate), measured by tests/engine/test_outer_round_pieces.py; and the full-size bytes per value
 # with outer_overlap (the pseudo-gradient then has a buffer of its own: the snapshot is merged after the round)
 OUTER_PIECE = 1 << 22  # engine/strategies/outer_state.py's PIECE (DiLoCo.outer_piece, wire_piece)
-OUTER_HOST_PIECES = {"outer_sgd_s_per_param": (12.0, 4.0)}
+# sparseloco's (engine/strategies/sparseloco.py, acco_loco/topk_pieces.py): Delta_w formed a piece at a time
+# into the error and each piece's top-k encoding (Delta_w's piece 4, |x| 4 and its int64 keys 16; a piece of
+# whole chunks: 25 B a value, and 4 more for the padded copy of a last piece that ends inside a chunk: 29 is
+# the bound taken) or its combined step (11); no overlap buffer; besides the pieces, the top-k payloads: its
+# own and the N gathered (topk_payload_host_bytes)
+OUTER_HOST_PIECES = {"outer_sgd_s_per_param": (12.0, 4.0), "outer_topk_s_per_param": (29.0, 0.0)}
 INNER_GRAD_SLOTS = 2  # engine/runtime/offload.py's GRAD_SLOTS: a node replica's gradient on the host, in pieces
+
+
+def outer_piece_values(mode: Mode, values: float, ws: WireSettings) -> float:
+    """Values of the largest piece of a round on host state: min(V, OUTER_PIECE); a top-k round's
+    pieces are whole chunks (the last one padded to a chunk)."""
+    if mode.spec.outer_cost == "outer_topk_s_per_param":
+        values = math.ceil(values / ws.topk_chunk) * ws.topk_chunk
+    return min(values, OUTER_PIECE)
+
+
+def topk_payload_host_bytes(mode: Mode, values: float, replicas: int, ws: WireSettings) -> float:
+    """A top-k round on host state: its own payload for ``values`` and the ``replicas`` gathered ones
+    (each about 1% of 4 ``values`` at the defaults); 0 for a round without payloads."""
+    if mode.spec.outer_cost != "outer_topk_s_per_param":
+        return 0.0
+    return (replicas + 1) * TopKCodec(ws.topk_chunk, ws.topk_density, ws.topk_bits).payload_bytes(math.ceil(values))
 
 
 def inner_gradient_host_bytes(values: float) -> float:
@@ -334,8 +356,9 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     (theta_sync, the submitted snapshot, momentum or error) and an outer round's temporaries
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
     bytes; the device keeps a piece of the exchange's wire rows (an averaging all-to-all runs in
-    pieces then; top-k payloads are a few percent of V); diloco's round there makes piece-sized
-    temporaries only (OUTER_HOST_PIECES: 12 min(V, 2^22), + 4 V with outer_overlap). With the inner
+    pieces then; top-k payloads are a few percent of V); the round there makes piece-sized
+    temporaries only (OUTER_HOST_PIECES: diloco 12 min(V, 2^22), + 4 V with outer_overlap; sparseloco
+    29 bytes a value of a piece of whole chunks and its payloads, topk_payload_host_bytes). With the inner
     state on the CPU (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's
     host copy (two slots of min(V, 2^20) values) are host bytes; the device keeps no inner state
     (the new parameters go into FSDP2's local shards from the host, a parameter at a time)."""
@@ -347,7 +370,8 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
         pieces = OUTER_HOST_PIECES.get(mode.spec.outer_cost)
         if pieces is not None:
             piece_bytes, overlap_bytes = pieces
-            temps = piece_bytes * min(v, OUTER_PIECE) + (overlap_bytes * v if mode.outer_overlap else 0.0)
+            temps = (piece_bytes * outer_piece_values(mode, v, ws) + (overlap_bytes * v if mode.outer_overlap else 0.0)
+                     + topk_payload_host_bytes(mode, v, layout.nodes, ws))
         host, outer = outer + temps, 0.0
         temps = 2 * ws.pseudo_grad_bytes * v if whole_rows else 0.0
     inner = 12 * v + 4 * min(v, INNER_PIECE)  # the inner state and its step's piece scratch

@@ -355,7 +355,7 @@ class LocalStepStrategy(Strategy):
         own = [comm] if self.replica is None else [comm, self.replica.rail, self.replica.outer_node]
         before = sum(c.sent for c in own)  # the compute thread's inner steps may send meanwhile
         delta = self.form_pseudo_gradient()
-        totals = self._agree(ctx, req, self.place.to_wire(nonfinite_flag(delta)))
+        totals = self._agree(ctx, req, self.place.to_wire(self.pseudo_gradient_flag(delta)))
         self.last = totals
         skipped, reason = bool(totals.bad_ranks), "non-finite pseudo-gradient from"
         shares, outer_ctx = totals.shares, ctx
@@ -398,7 +398,12 @@ class LocalStepStrategy(Strategy):
         the snapshot, which a round without overlap reads nowhere else)."""
         return pseudo_gradient(self.theta_sync, self.submitted)
 
-    def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+    def pseudo_gradient_flag(self, delta: torch.Tensor | None) -> torch.Tensor:
+        """1.0 (a 0-d float64 tensor) if Delta_w holds a NaN or an Inf, else 0.0 (a subclass that forms
+        Delta_w a piece at a time in its outer_update, and gives None here, checks it in pieces)."""
+        return nonfinite_flag(delta)
+
+    def outer_update(self, ctx: RoundContext, delta: torch.Tensor | None, shares: list[float]) -> bool:
         """Exchange this worker's contribution and move theta_sync in place; False (nothing
         installed) when the new theta_sync would not be finite."""
         raise NotImplementedError

@@ -24,6 +24,14 @@ L = the codec's payload_bytes(P):
     bytes = (N - 1) L + 2 (N - 1) (2 + 4 N) 8 / N
 
 The overlapped variant merges one round later, exactly as in diloco.py.
+
+With the outer state on the CPU (outer_state_device='cpu') and the flat layout the round runs in
+pieces of whole chunks (acco_loco/topk_pieces.py, the same bits): Delta_w is never whole (its
+finiteness is checked a piece at a time, then each piece goes straight into the error and is
+encoded), the payload is joined from the pieces' (a few percent of the values), and the combined
+step is formed twice a piece at a time from the gathered payloads: once for the verdict on its
+finiteness, once to install it. topk_layout='tensor' keeps the whole round (its tiles run across
+the flat pieces).
 """
 
 from __future__ import annotations
@@ -32,14 +40,16 @@ import math
 
 import torch
 
-from acco_loco.outer import accumulate_error, sparse_outer_step
+from acco_loco.outer import accumulate_error, pseudo_gradient, sparse_outer_step
 from acco_loco.registry import PSEUDO_GRAD_CODECS
 from acco_loco.tiled_topk import TiledTopK, tensor_segments
 from acco_loco.topk_codec import TopKCodec, aggregate
+from acco_loco.topk_pieces import PieceAggregate, PieceEncoder, chunk_pieces
 
 from ..core.rounds import RoundContext
-from ..runtime.host import host_flag
+from ..runtime.host import host_flag, nonfinite_flag
 from .local_steps import LocalStepStrategy
+from .outer_state import PIECE
 from .spec import ALIGN, padded, small_bytes
 
 
@@ -90,8 +100,27 @@ class SparseLoCo(LocalStepStrategy):
             self.codec.to(self.theta_sync.device)
         self.clip = tensor_segments(shapes, numel, self.theta_sync.device) if cfg.sparse_clip == "median" else None
         self.error_scale = cfg.outer_lr if cfg.sparse_error_scale == "outer_lr" else 1.0
+        # on the host, the round in pieces of whole chunks (the tiled layout's chunks are not runs of the buffer)
+        self.pieces = (chunk_pieces(numel, self.codec.chunk, self.outer_piece)
+                       if cfg.outer_state_device == "cpu" and isinstance(self.codec, TopKCodec) else None)
 
-    def outer_update(self, ctx: RoundContext, delta: torch.Tensor, shares: list[float]) -> bool:
+    outer_piece = PIECE  # values of the round's pieces with the outer state on the CPU (the tests set fewer)
+
+    def form_pseudo_gradient(self) -> torch.Tensor | None:
+        """None when the round runs in pieces: Delta_w is formed a piece at a time in outer_update."""
+        return None if self.pieces is not None else super().form_pseudo_gradient()
+
+    def pseudo_gradient_flag(self, delta: torch.Tensor | None) -> torch.Tensor:
+        if delta is not None:
+            return super().pseudo_gradient_flag(delta)
+        flag = torch.zeros((), dtype=torch.float64, device=self.theta_sync.device)
+        for a, b in self.pieces:
+            flag = torch.maximum(flag, nonfinite_flag(pseudo_gradient(self.theta_sync[a:b], self.submitted[a:b])))
+        return flag
+
+    def outer_update(self, ctx: RoundContext, delta: torch.Tensor | None, shares: list[float]) -> bool:
+        if delta is None:
+            return self._outer_update_in_pieces(ctx, shares)
         cfg, comm, numel = ctx.cfg, ctx.comm, delta.numel()
         accumulate_error(self.error, delta, cfg.sparse_error_beta, self.error_scale)
         # the error is finite: the round agreed every Delta_w was, and a non-finite theta_sync is refused
@@ -108,6 +137,43 @@ class SparseLoCo(LocalStepStrategy):
             return False
         self.theta_sync.copy_(new)
         return True
+
+    def _outer_update_in_pieces(self, ctx: RoundContext, shares: list[float]) -> bool:
+        """outer_update's values, a piece at a time: the error and the encoding (Delta_w formed per
+        piece), the all-gather of the joined payload, then the combined step twice (finite? install)."""
+        cfg, comm, numel = ctx.cfg, ctx.comm, self.theta_sync.numel()
+        encoder = PieceEncoder(self.codec)
+        for a, b in self.pieces:
+            self._encode_piece(encoder, a, b, cfg.sparse_error_beta)
+        payload = self.place.to_wire(encoder.payload())
+        gathered = torch.empty(comm.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        comm.all_gather(payload, gathered)
+        del payload  # from here on the gathered rows only (every rank's payload)
+        gathered = self.place.from_wire(gathered)
+        combined = PieceAggregate(self.codec, gathered.view(comm.world_size, -1), shares, numel,
+                                  cfg.sparse_aggregate, self.clip, self.outer_piece)
+        finite = torch.ones((), dtype=torch.bool, device=self.theta_sync.device)
+        for a, b in self.pieces:
+            finite &= self._step_piece(combined, a, b, cfg.outer_lr, install=False)
+        if not host_flag(finite):  # the same verdict on every replica
+            return False
+        for a, b in self.pieces:
+            self._step_piece(combined, a, b, cfg.outer_lr, install=True)
+        return True
+
+    def _encode_piece(self, encoder: PieceEncoder, a: int, b: int, beta: float) -> None:
+        """e_w[a:b] = beta e_w + Delta_w[a:b], encoded, less what was sent (a call of its own: the
+        piece's temporaries are freed before the next piece's are made)."""
+        error = self.error[a:b]
+        accumulate_error(error, pseudo_gradient(self.theta_sync[a:b], self.submitted[a:b]), beta, self.error_scale)
+        error.sub_(encoder.add(error))  # what was not sent stays for later rounds
+
+    def _step_piece(self, combined: PieceAggregate, a: int, b: int, lr: float, install: bool) -> torch.Tensor:
+        """theta_sync[a:b] - lr Delta[a:b]: whether it is finite, or (install) written into theta_sync."""
+        new = sparse_outer_step(self.theta_sync[a:b], combined.piece(a, b), lr)
+        if install:
+            return self.theta_sync[a:b].copy_(new)
+        return torch.isfinite(new).all()
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"outer.error": self.error}

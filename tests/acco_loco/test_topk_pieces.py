@@ -9,7 +9,12 @@ import torch
 
 from acco_loco.tiled_topk import tensor_segments
 from acco_loco.topk_codec import TopKCodec, aggregate
-from acco_loco.topk_pieces import PieceAggregate, PieceEncoder, chunk_pieces, decode_piece
+from acco_loco.topk_pieces import (
+    PieceAggregate,
+    PieceEncoder,
+    chunk_pieces,
+    decode_piece,
+)
 
 
 @pytest.mark.parametrize("numel,chunk,density,bits,piece", [
@@ -23,7 +28,7 @@ def test_pieces_encode_and_combine_as_the_whole(numel, chunk, density, bits, pie
     pieces = chunk_pieces(numel, chunk, piece)
     assert pieces[0][0] == 0 and pieces[-1][1] == numel
     assert all(b - a == pieces[0][1] for a, b in pieces[:-1]) and pieces[0][1] % (8 * chunk) == 0
-    rows, payloads = [], []
+    payloads = []
     for _ in range(3):
         x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)
         payload, decoded = codec.encode_with_decoded(x)

@@ -1,6 +1,6 @@
-"""diloco with the outer state on the CPU makes only piece-sized temporaries in its outer round, and a
-node replica's offloaded inner step keeps its gradient's host copy in two piece slots (issue 41: 70B
-within a node's host memory). The pieces are made small here (1024 values; the engine's are 2^22 for
+"""diloco and sparseloco with the outer state on the CPU make only piece-sized temporaries in their outer
+round (sparseloco: and its top-k payloads, about 1% of the values), and a node replica's offloaded inner
+step keeps its gradient's host copy in two piece slots (issue 41: 70B within a node's host memory). The pieces are made small here (1024 values; the engine's are 2^22 for
 the outer round, 2^20 for the inner step) so that a round runs in many of them on a small model; the
 values must stay those of the run with the outer state on the device, bit for bit.
 
@@ -30,12 +30,18 @@ def _set_pieces(outer: int, inner: int) -> None:
     local_steps' gradient pieces: the two must agree)."""
     from engine.strategies import inner_step, local_steps
     from engine.strategies.diloco import DiLoCo
+    from engine.strategies.sparseloco import SparseLoCo
 
-    DiLoCo.outer_piece = DiLoCo.wire_piece = outer
+    DiLoCo.outer_piece = DiLoCo.wire_piece = SparseLoCo.outer_piece = outer
     inner_step.PIECE = local_steps.PIECE = inner
 
 
-def _train(rank: int, **kw) -> dict:
+# the strategies' own settings: sparseloco's chunks small, so that a 1024-value piece holds 16 of them
+STRATEGY = {"diloco": {"strategy": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9},
+            "sparseloco": {"strategy": "sparseloco", "outer_lr": 1.0, "topk_chunk": 64, "topk_density": 0.1}}
+
+
+def _train(rank: int, strategy: str = "diloco", **kw) -> dict:
     from engine import Engine, EngineConfig
     from engine.runtime.memory_accounting import (
         host_held_bytes,
@@ -43,9 +49,9 @@ def _train(rank: int, **kw) -> dict:
     )
     from tests.engine.test_memory_accounting_sharded import Blocks, _loss, _stream
 
-    cfg = EngineConfig(strategy="diloco", lr=1e-2, weight_decay=0.1, micro_batches=1, accumulation="fixed",
-                       max_steps=ROUNDS * H, inner_steps=H, outer_lr=0.7, outer_momentum=0.9,
-                       topology="two_level", model_sharding="node", **kw)
+    cfg = EngineConfig(lr=1e-2, weight_decay=0.1, micro_batches=1, accumulation="fixed",
+                       max_steps=ROUNDS * H, inner_steps=H, topology="two_level", model_sharding="node",
+                       **STRATEGY[strategy], **kw)
     engine = Engine(Blocks(), cfg, _loss)
     peaks = track_round_temporaries(engine.strategy)
     it, snaps, losses = iter(_stream(rank, ROUNDS * H + 1)), [], []
@@ -105,7 +111,8 @@ def test_the_outer_round_on_host_state_makes_piece_sized_temporaries():
 
 def test_the_planner_keeps_diloco_host_round_piece_sized():
     """At 70B on 8 x 8 (V = P/G) the diloco row with the outer and inner state on the CPU holds 24 bytes
-    a local value in host memory and a few pieces (12 of the outer state, 12 of the inner), not 48."""
+    a local value in host memory and a few pieces (12 of the outer state, 12 of the inner), not 48;
+    sparseloco's the same and its payloads (it held 24 + 36.25 before its round ran in pieces)."""
     from engine.parallel.topology import Layout
     from engine.planner.modes import Mode
     from engine.planner.shape import PRESETS
@@ -120,9 +127,15 @@ def test_the_planner_keeps_diloco_host_round_piece_sized():
     overlapped = memory.memory_per_gpu(Mode("diloco", exchange="two-level", sharding="node", outer_state="cpu",
                                             offload="cpu", outer_overlap=True), shape, layout, ws)
     assert overlapped.host == pytest.approx(28 * v + pieces)
-    sparse = memory.memory_per_gpu(Mode("sparseloco", exchange="two-level", sharding="node", outer_state="cpu",
-                                        offload="cpu"), shape, layout, ws)  # its round is whole-size still
-    assert sparse.host == pytest.approx((24 + 36.25) * v + 2 * 4 * memory.INNER_PIECE + 4 * memory.INNER_PIECE)
+    from acco_loco.topk_codec import TopKCodec
+
+    payload = TopKCodec(ws.topk_chunk, ws.topk_density, ws.topk_bits).payload_bytes(int(v))  # about 1% of 4 V
+    assert payload < 0.05 * v
+    slots = 2 * 4 * memory.INNER_PIECE + 4 * memory.INNER_PIECE
+    for overlap in (False, True):  # sparseloco: its round in pieces, its own payload and the 8 nodes' gathered
+        sparse = memory.memory_per_gpu(Mode("sparseloco", exchange="two-level", sharding="node", outer_state="cpu",
+                                            offload="cpu", outer_overlap=overlap), shape, layout, ws)
+        assert sparse.host == pytest.approx(24 * v + 29 * memory.OUTER_PIECE + 9 * payload + slots)
 
 
 def test_gradient_pieces_take_two_slots_in_turn_and_give_every_piece():
@@ -149,3 +162,105 @@ def test_gradient_pieces_take_two_slots_in_turn_and_give_every_piece():
         offload.fetch_gradient(grad, pieces)
     with pytest.raises(ValueError, match="host state of 10"):
         offload.gradient_pieces(torch.zeros(n + 1), pieces)
+
+
+def _sparse_runs(rank: int, world: int) -> dict:
+    from acco_loco import kernels
+
+    kernels.use(False)  # the torch path: what runs on a GPU
+    out = {}
+    for overlap in (False, True):  # the references first, at the engine's own pieces
+        out["device", overlap] = _train(rank, "sparseloco", outer_overlap=overlap)
+    _set_pieces(PIECE, PIECE)
+    for overlap in (False, True):
+        out["cpu", overlap] = _train(rank, "sparseloco", outer_overlap=overlap, outer_state_device="cpu",
+                                     optimizer_offload="cpu")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sparseloco_round_on_host_state_makes_piece_sized_temporaries():
+    """sparseloco's round with the outer state on the CPU, in pieces of 16 chunks (acco_loco/topk_pieces.py):
+    the same values as on the device, bit for bit, with and without overlap; its largest temporaries are
+    a piece's (OUTER_HOST_PIECES: per value of a piece) and the payloads' (per local value), where the
+    device's round makes full-size ones (OUTER_TEMP)."""
+    runs = spawn(_sparse_runs, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=500)
+    from acco_loco.topk_codec import TopKCodec
+
+    piece_bytes, overlap_bytes = memory.OUTER_HOST_PIECES["outer_topk_s_per_param"]
+    settings = STRATEGY["sparseloco"]
+    codec = TopKCodec(settings["topk_chunk"], settings["topk_density"])
+    for r, run in enumerate(runs):
+        for overlap in (False, True):
+            got, want = run["cpu", overlap], run["device", overlap]
+            for t, (a, b) in enumerate(zip(got["snaps"], want["snaps"])):
+                assert torch.equal(a, b), (r, overlap, t)
+            assert got["loss"] == want["loss"] and torch.equal(got["sync"], want["sync"]), (r, overlap)
+            v = got["values"]
+            assert v > 16 * PIECE  # many pieces, or the test shows nothing
+            # a piece's (its top-k keys, or its combined step), no overlap buffer (overlap_bytes 0), and the
+            # payloads: its own and the 2 nodes' gathered (topk_payload_host_bytes); the small all-reduce besides
+            payloads = (2 + 1) * codec.payload_bytes(v)
+            bound = piece_bytes * PIECE + overlap_bytes * v + payloads + 1024
+            row = (f"rank {r} overlap {overlap}: round temporaries {max(got['peaks'])} bytes (bound {bound}; "
+                   f"on the device {max(want['peaks'])}), {v} local values")
+            print(row)
+            assert len(got["peaks"]) == ROUNDS and max(got["peaks"]) <= bound, row
+            # the formula's piece is what is made (less the 4 B a value of a padded last chunk: none here)
+            assert max(got["peaks"]) >= (piece_bytes - 4) * PIECE, row
+            assert max(want["peaks"]) >= 25 * v, row  # the whole round's, for contrast
+
+
+SPARSE_OPTIONS = {"plain": {}, "templar's": {"sparse_clip": "median", "sparse_aggregate": "contributors",
+                                              "sparse_error_scale": "outer_lr"}}
+
+
+@pytest.mark.parametrize("options", SPARSE_OPTIONS)
+def test_sparseloco_pieces_on_one_worker_keep_values_and_verdicts(monkeypatch, options):
+    """One worker, the tiny model (163 values) in pieces of 8 chunks of 8 values: with the outer state on
+    the CPU the parameters, theta_sync, the error and the history equal the device placement's bit for bit,
+    with each option the flat layout takes (the median clip's norms in a first pass); a new theta_sync whose
+    last value is made non-finite skips the round with nothing installed, not even the earlier pieces, as on
+    the device; and the piecewise check of the pseudo-gradient flags a NaN or an Inf in any piece."""
+    from engine import Engine
+    from engine.strategies.sparseloco import SparseLoCo
+    from tests.engine.test_local_steps import H, config, tiny_model
+    from tests.tiny import flat_params, mse_loss, worker_stream
+
+    monkeypatch.setattr(SparseLoCo, "outer_piece", 64)
+    kw = {"topk_chunk": 8, "topk_density": 0.25, **SPARSE_OPTIONS[options]}
+    from engine.strategies import sparseloco
+
+    step = sparseloco.sparse_outer_step
+
+    def last_value_inf(theta_sync, delta, lr):  # the new theta_sync's last value (in the last piece) non-finite
+        out = step(theta_sync, delta, lr)
+        if theta_sync.storage_offset() + theta_sync.numel() == theta_sync.untyped_storage().nbytes() // 4:
+            out[-1] = float("inf")
+        return out
+
+    for poisoned in (False, True):
+        monkeypatch.setattr(sparseloco, "sparse_outer_step", last_value_inf if poisoned else step)
+        runs = {}
+        for place in ("device", "cpu"):
+            engine = Engine(tiny_model(0), config("sparseloco", 2, outer_state_device=place, **kw), mse_loss)
+            hist = engine.fit(iter(worker_stream(0, 40)), steps=2 * H)
+            st = engine.strategy
+            runs[place] = {"params": flat_params(engine.model), "sync": st.theta_sync.clone(),
+                           "error": st.error.clone(), "hist": [(h["loss"], h["skipped"]) for h in hist],
+                           "pieces": st.pieces}
+            engine.close()
+        cpu, dev = runs["cpu"], runs["device"]
+        assert dev["pieces"] is None and len(cpu["pieces"]) == 3, cpu["pieces"]  # 64 + 64 + 35 values
+        assert cpu["hist"] == dev["hist"], options
+        assert all(torch.equal(cpu[k], dev[k]) for k in ("params", "sync", "error")), (options, poisoned)
+        start = flat_params(tiny_model(0))
+        assert torch.equal(cpu["sync"][:start.numel()], start) == poisoned  # nothing installed, no piece
+    # the round's input check, a piece at a time (st: the last cpu run's)
+    assert st.form_pseudo_gradient() is None and st.pseudo_gradient_flag(None).item() == 0.0
+    for bad in (float("nan"), float("inf")):
+        for at in (3, 70, 150):  # each piece
+            st.submitted[at] = bad
+            assert st.pseudo_gradient_flag(None).item() == 1.0, (bad, at)
+            st.submitted[at] = 0.0
