@@ -120,7 +120,7 @@ class DeltaParams(_Gatherer):
     def _rows(self, comm: Comm, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece k's send buffer and receive rows: its own pair, or (streaming) one of two slots."""
         a, b, p, s = self._bounds[k]
-        if not self.streaming:
+        if not self.streaming or len(self._bounds) <= 2:  # two pieces or fewer: their own buffers are no more
             return (comm.buffer(("params.send", k), (p + s,), torch.uint8, dev),
                     comm.buffer(("params.recv", k), (comm.world_size * (p + s),), torch.uint8, dev))
         width = max(p_ + s_ for _, _, p_, s_ in self._bounds)
