@@ -21,9 +21,10 @@ bytes; with ``optimizer_offload='cpu'`` the inner state is what ``host_held_byte
 Known apart (KNOWN_APART: xfail, strict, so each must still fail and a formula that catches up shows
 here): 1-bit Adam keeps its warmup's reducer buffers and makes round temporaries no formula names;
 local_sgd has no planner spec. The figures are in KNOWN_APART's reasons. Within 10% but not exact:
-sparseloco's round temporaries grow with the top-k chunks' padding (40.71 B per local value at 1 x
-4 against OUTER_TEMP's 36.25, fitted at 2 x 2's; about 33 at scale), and diloco's with the outer state
-on the device are 20 or, when gloo releases the all-gather's input late, 20 + 4/M (on the CPU they are
+sparseloco's round temporaries with the outer state on the device grow with the top-k chunks'
+padding (40.71 B per local value at 1 x 4 against OUTER_TEMP's 36.25, fitted at 2 x 2's; about 33 at
+scale; on the CPU the round is piece-sized, 29 B per value of a piece of whole chunks and the
+payloads), and diloco's with the outer state on the device are 20 or, when gloo releases the all-gather's input late, 20 + 4/M (on the CPU they are
 piece-sized: tests/engine/test_outer_round_pieces.py). The inner step's piece scratch
 (engine/strategies/inner_step.py ``PieceStep.scratch``, min(V, 2^20) fp32) was in no formula until
 these tests found it (4 B per local value here, 4 MiB at scale)."""
