@@ -57,7 +57,7 @@ optimizer, g = codec group, G = ranks per node:
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
                       (``local_node_sharded``); the outer state on the CPU: (2e + 12)/G on the device,
-                      12/G and piece-sized round temporaries (sparseloco: and its payloads) on the host;
+                      12/G and piece-sized round temporaries (a top-k round: and its payloads) on the host;
                       the inner state on the CPU too (optimizer_offload='cpu'): 2e/G on the device,
                       12/G of the inner state and its gradient's host copy in piece slots in host memory
                       (a flat replica's: 4, whole: its norm is taken on the host)
@@ -295,14 +295,14 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
 # as long as the outer state on the device with the state on the CPU: neither (an averaging
 # all-to-all runs then in column pieces of 4M values; top-k payloads are a few percent of the values)
 OUTER_TEMP = {"outer_sgd_s_per_param": (20.0, False), "outer_topk_s_per_param": (36.25, False)}
-# with the outer state on the CPU, a round that runs there in pieces (diloco's: the pseudo-gradient written
+# with the outer state on the CPU, a round that runs there in pieces (momentum SGD's: the pseudo-gradient written
 # over the snapshot, the average over it a column piece at a time, the outer step proposed a piece at a
-# time; engine/strategies/diloco.py): bytes per value of one piece, min(V, OUTER_PIECE) values (the wire
+# time; its strategy's outer_update): bytes per value of one piece, min(V, OUTER_PIECE) values (the wire
 # rows of every rank's columns, the received rows and the gathered result; or the step's proposal and its
 # intermediate), measured by tests/engine/test_outer_round_pieces.py; and the full-size bytes per value
 # with outer_overlap (the pseudo-gradient then has a buffer of its own: the snapshot is merged after the round)
 OUTER_PIECE = 1 << 22  # engine/strategies/outer_state.py's PIECE (DiLoCo.outer_piece, wire_piece)
-# sparseloco's (engine/strategies/sparseloco.py, acco_loco/topk_pieces.py): Delta_w formed a piece at a time
+# error feedback + top-k's (its strategy's outer_update, acco_loco/topk_pieces.py): Delta_w formed a piece at a time
 # into the error and each piece's top-k encoding (Delta_w's piece 4, |x| 4 and its int64 keys 16; a piece of
 # whole chunks: 25 B a value, and 4 more for the padded copy of a last piece that ends inside a chunk: 29 is
 # the bound taken) or its combined step (11); no overlap buffer; besides the pieces, the top-k payloads: its
@@ -357,7 +357,7 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     (OUTER_TEMP V). With the outer state on the CPU (outer_state_device='cpu') those two are host
     bytes; the device keeps a piece of the exchange's wire rows (an averaging all-to-all runs in
     pieces then; top-k payloads are a few percent of V); the round there makes piece-sized
-    temporaries only (OUTER_HOST_PIECES: diloco 12 min(V, 2^22), + 4 V with outer_overlap; sparseloco
+    temporaries only (OUTER_HOST_PIECES: momentum SGD 12 min(V, 2^22), + 4 V with outer_overlap; top-k
     29 bytes a value of a piece of whole chunks and its payloads, topk_payload_host_bytes). With the inner
     state on the CPU (optimizer_offload='cpu', engine/runtime/offload.py) its 12 V and the gradient's
     host copy (two slots of min(V, 2^20) values) are host bytes; the device keeps no inner state
