@@ -80,6 +80,17 @@ def _runs(rank: int, world: int) -> dict:
     return out
 
 
+def _same_as_on_device(run: dict, rank: int, overlap: bool) -> dict:
+    """The run with the outer state on the CPU against the one on the device: parameters after every
+    step, losses and theta_sync bit for bit; over many pieces (or the test shows nothing)."""
+    got, want = run["cpu", overlap], run["device", overlap]
+    for t, (a, b) in enumerate(zip(got["snaps"], want["snaps"])):
+        assert torch.equal(a, b), (rank, overlap, t)
+    assert got["loss"] == want["loss"] and torch.equal(got["sync"], want["sync"]), (rank, overlap)
+    assert got["values"] > 16 * PIECE
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_outer_round_on_host_state_makes_piece_sized_temporaries():
@@ -87,12 +98,8 @@ def test_the_outer_round_on_host_state_makes_piece_sized_temporaries():
     piece_bytes, overlap_bytes = memory.OUTER_HOST_PIECES["outer_sgd_s_per_param"]
     for r, run in enumerate(runs):
         for overlap in (False, True):
-            got, want = run["cpu", overlap], run["device", overlap]
-            for t, (a, b) in enumerate(zip(got["snaps"], want["snaps"])):
-                assert torch.equal(a, b), (r, overlap, t)
-            assert got["loss"] == want["loss"] and torch.equal(got["sync"], want["sync"]), (r, overlap)
+            got, want = _same_as_on_device(run, r, overlap), run["device", overlap]
             v = got["values"]
-            assert v > 16 * PIECE  # many pieces, or the test shows nothing
             # every round's temporaries: a piece's (12 bytes a value: the step's proposal and its
             # intermediate), and with overlap the pseudo-gradient's own buffer; the small all-reduce besides.
             # On this CPU-only machine the exchange's wire rows are host tensors too, and gloo's thread may
@@ -193,12 +200,8 @@ def test_sparseloco_round_on_host_state_makes_piece_sized_temporaries():
     codec = TopKCodec(settings["topk_chunk"], settings["topk_density"])
     for r, run in enumerate(runs):
         for overlap in (False, True):
-            got, want = run["cpu", overlap], run["device", overlap]
-            for t, (a, b) in enumerate(zip(got["snaps"], want["snaps"])):
-                assert torch.equal(a, b), (r, overlap, t)
-            assert got["loss"] == want["loss"] and torch.equal(got["sync"], want["sync"]), (r, overlap)
+            got, want = _same_as_on_device(run, r, overlap), run["device", overlap]
             v = got["values"]
-            assert v > 16 * PIECE  # many pieces, or the test shows nothing
             # a piece's (its top-k keys, or its combined step), no overlap buffer (overlap_bytes 0), and the
             # payloads: its own and the 2 nodes' gathered (topk_payload_host_bytes); the small all-reduce besides
             payloads = (2 + 1) * codec.payload_bytes(v)
