@@ -69,6 +69,24 @@ WORKLOAD = {"model": "tiny-gpt2", "n_layer": 4, "n_embd": 128, "n_head": 4, "seq
             "eval_batches": 16, "eval_points": 8, "heldout": "hamlet", "max_grad_norm": 1.0, "comm_chunks": 1,
             "workers": 2}
 RUN_TIMEOUT_S = 7200.0  # a run at nice 19 on a busy host can take many times its idle time
+# The grid's second layout, 2 nodes x 2 ranks on the two-level exchange: under a gradient codec it
+# compresses each node's sum instead of each rank's gradient, so those modes' loss is measured there
+# too (the planner's two-level and node-sharded rows stand on it, engine/planner/evidence.py). Only
+# the codec modes run (an uncompressed mode's update is the same mean on either exchange); every
+# mode's sweep is centred on its own best lr of the 2 x 1 grid at the same point; B = 16 is left out
+# (4 ranks of micro-batch 8 take 32 samples a step).
+LAYOUTS = {"2x1": None, "2x2": {"workers": 4, "ranks_per_node": 2}}
+MODES_2X2 = (REFERENCE,) + tuple(f"{m}@two_level" for m in MODES if "loco" in m)
+ORDER_2X2 = [(256, LENGTHS[0]), (64, LENGTHS[0]), (32, LENGTHS[0]), (128, LENGTHS[0])]
+
+
+def workload_of(layout: str) -> dict:
+    return {**WORKLOAD, **(LAYOUTS[layout] or {})}
+
+
+def flat_name(mode: str) -> str:
+    """The 2 x 1 grid's name of a 2 x 2 mode (its lr sweep's centre)."""
+    return mode.split("@")[0]
 
 
 def log(msg: str) -> None:
@@ -128,9 +146,10 @@ def next_runs(doc: dict, modes=MODES, seeds: int = SEEDS) -> list[tuple[str, flo
     (every mode at the centre lr, then every mode at its half and double, then any extension),
     then the later seeds at each mode's best seed-0 lr once its sweep is done. Runs that failed
     MAX_FAILURES times are left out."""
-    runs, centre = doc.get("runs", []), centre_lr(doc["global_batch"])
+    runs, centres = doc.get("runs", []), doc["lr_rule"].get("centre_by_mode", {})
     out: list[tuple[str, float, int]] = []
     for m in modes:
+        centre = centres.get(m, centre_lr(doc["global_batch"]))
         tried = finished(runs, m, 0)
         failed = {lr_key(f["lr"]) for f in doc.get("failures", []) if f["mode"] == m and f["seed"] == 0
                   and failures_of(doc, m, f["lr"], 0) >= MAX_FAILURES}
@@ -146,7 +165,8 @@ def next_runs(doc: dict, modes=MODES, seeds: int = SEEDS) -> list[tuple[str, flo
                 out.append((m, best, s))
                 break
     # seed 0 before later seeds; within seed 0 the centre lr first, then the rest of the sweep
-    return sorted(out, key=lambda t: (t[2], lr_key(t[1]) != lr_key(centre), out.index(t)))
+    return sorted(out, key=lambda t: (t[2], lr_key(t[1]) != lr_key(centres.get(t[0], centre_lr(doc["global_batch"]))),
+                                      out.index(t)))
 
 
 def plan(docs: dict[tuple[int, int], dict], order=ORDER, modes=MODES, seeds: int = SEEDS):
@@ -159,38 +179,53 @@ def plan(docs: dict[tuple[int, int], dict], order=ORDER, modes=MODES, seeds: int
 
 
 # ------------------------------------------------------------------ the JSONs
-def json_path(global_batch: int, samples: int) -> str:
-    return os.path.join(OUT_DIR, f"b{global_batch}_n{samples}.json")
+def json_path(global_batch: int, samples: int, layout: str = "2x1") -> str:
+    suffix = "" if layout == "2x1" else f"_{layout}"
+    return os.path.join(OUT_DIR, f"b{global_batch}_n{samples}{suffix}.json")
 
 
-def new_doc(global_batch: int, samples: int) -> dict:
-    w = WORKLOAD
+def flat_centres(global_batch: int, samples: int, modes) -> dict[str, float]:
+    """Each 2 x 2 mode's sweep centre: its 2 x 1 best lr at the same point (the B rule where that
+    point has none)."""
+    path = json_path(global_batch, samples)
+    summary = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f).get("summary", {})
+    return {m: (summary.get(flat_name(m)) or {}).get("best_lr") or centre_lr(global_batch) for m in modes}
+
+
+def new_doc(global_batch: int, samples: int, layout: str = "2x1") -> dict:
+    w = workload_of(layout)
+    lr_rule = {"centre": centre_lr(global_batch), "grid": "x0.5, x1, x2, extended by x2 beyond an end "
+               f"that is best (at most {MAX_EXTRA_LRS} more)", "seed_0_sweeps": True}
+    if layout != "2x1":
+        lr_rule["centre_by_mode"] = flat_centres(global_batch, samples, MODES_2X2)
     return {"about": "issue 44's loss grid: held-out loss at equal samples per mode, against torch DDP, "
                      "local gloo processes (no shaped link), benchmark matched-batch protocol",
-            "command": "python benchmarks/loss_grid.py run", "global_batch": global_batch, "samples": samples,
+            "command": "python benchmarks/loss_grid.py run" + ("" if layout == "2x1" else f" --layout {layout}"),
+            "layout": layout, "global_batch": global_batch, "samples": samples,
             "steps": samples // global_batch, "tokens": samples * w["seq_len"], "workload": dict(w),
             "heldout": {"text": w["heldout"], "seq_len": w["seq_len"],
                         "sequences": w["eval_batches"] * w["micro_batch"]},
-            "lr_rule": {"centre": centre_lr(global_batch), "grid": "x0.5, x1, x2, extended by x2 beyond an end "
-                        f"that is best (at most {MAX_EXTRA_LRS} more)", "seed_0_sweeps": True},
-            "runs": [], "failures": [], "summary": {}}
+            "lr_rule": lr_rule, "runs": [], "failures": [], "summary": {}}
 
 
-def load_doc(global_batch: int, samples: int) -> dict:
-    path = json_path(global_batch, samples)
+def load_doc(global_batch: int, samples: int, layout: str = "2x1") -> dict:
+    path, workload = json_path(global_batch, samples, layout), workload_of(layout)
     if not os.path.exists(path):
-        return new_doc(global_batch, samples)
+        return new_doc(global_batch, samples, layout)
     with open(path) as f:
         doc = json.load(f)
-    if doc.get("workload") != WORKLOAD:
-        raise SystemExit(f"{path} was run with workload {doc.get('workload')}, this runner has {WORKLOAD}: "
+    if doc.get("workload") != workload:
+        raise SystemExit(f"{path} was run with workload {doc.get('workload')}, this runner has {workload}: "
                          "move it aside or restore the runner's WORKLOAD")
     return doc
 
 
 def save_doc(doc: dict) -> None:
     doc["summary"] = summarize(doc)
-    path = json_path(doc["global_batch"], doc["samples"])
+    path = json_path(doc["global_batch"], doc["samples"], doc.get("layout", "2x1"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -204,7 +239,7 @@ def summarize(doc: dict) -> dict:
     gap to torch DDP (at DDP's best lr) at equal samples, seed against seed, at the end and at
     every eval point (percent)."""
     runs = doc.get("runs", [])
-    modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    modes = [m for m in MODES + MODES_2X2[1:] if any(r["mode"] == m for r in runs)]
     best = {m: best_lr(finished(runs, m, 0)) for m in modes}
 
     def at_best(m):
@@ -249,7 +284,9 @@ def benchmark_args(global_batch: int, samples: int, mode: str, lr: float, worklo
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     w = workload
-    argv = ["--workers", str(w["workers"]), "--global-batch", str(global_batch), "--samples", str(samples),
+    g = w.get("ranks_per_node", 1)
+    layout = ["--workers", str(w["workers"])] if g == 1 else ["--nodes", str(w["workers"] // g), "--ranks-per-node", str(g)]
+    argv = [*layout, "--global-batch", str(global_batch), "--samples", str(samples),
             "--modes", mode, "--lr", repr(lr), "--no-lr-sweep", "--seeds", "1", "--model", w["model"],
             "--n-layer", str(w["n_layer"]), "--n-embd", str(w["n_embd"]), "--n-head", str(w["n_head"]),
             "--seq-len", str(w["seq_len"]), "--micro-batch", str(w["micro_batch"]),
@@ -288,7 +325,7 @@ def run_local(global_batch: int, samples: int, mode: str, lr: float, seed: int, 
         logs.append(os.path.join(workdir, f"{name}.rank{r}.log"))
         with open(logs[-1], "w") as lf:
             procs.append(subprocess.Popen([sys.executable, runner.WORKER, spec_path, outs[-1]],
-                                          env={**env, **torchrun_env(r, args.workers, 1)}, cwd=REPO,
+                                          env={**env, **torchrun_env(r, args.nodes, args.ranks_per_node)}, cwd=REPO,
                                           stdout=lf, stderr=subprocess.STDOUT, start_new_session=True))
     codes = runner.wait_all(procs, args.run_timeout)
     if any(c != 0 for c in codes):
@@ -332,15 +369,23 @@ def host_facts() -> dict:
 
 
 # ------------------------------------------------------------------ commands
+def layout_plan(layout: str) -> tuple[list, tuple]:
+    """The (B, length) order and the modes of a layout's grid."""
+    return (ORDER, MODES) if layout == "2x1" else (ORDER_2X2, MODES_2X2)
+
+
 def cmd_run(a) -> int:
-    order = [(b, n) for b, n in ORDER if (not a.batches or b in a.batches) and (not a.lengths or n in a.lengths)]
-    docs = {key: load_doc(*key) for key in order}
+    every, modes = layout_plan(a.layout)
+    modes = modes if a.modes is None else tuple(a.modes)
+    order = [(b, n) for b, n in every if (not a.batches or b in a.batches) and (not a.lengths or n in a.lengths)]
+    docs = {key: load_doc(*key, a.layout) for key in order}
     workdir = tempfile.mkdtemp(prefix="acl-loss-grid-")
     facts = host_facts()
-    log(f"workdir {workdir}; {len(order)} (B, length) cells; modes {list(a.modes)}; seeds {a.seeds}; {facts}")
+    log(f"workdir {workdir}; layout {a.layout}; {len(order)} (B, length) cells; modes {list(modes)}; "
+        f"seeds {a.seeds}; {facts}")
     done = 0
     while a.max_runs is None or done < a.max_runs:
-        nxt = plan(docs, order, a.modes, a.seeds)
+        nxt = plan(docs, order, modes, a.seeds)
         if nxt is None:
             log("the grid is complete")
             return 0
@@ -350,7 +395,7 @@ def cmd_run(a) -> int:
         from benchmarks.runner import RunFailed
 
         try:
-            run = run_local(b, n, mode, lr, seed, workdir)
+            run = run_local(b, n, mode, lr, seed, workdir, workload_of(a.layout))
         except RunFailed as e:
             log(f"FAILED {e}")
             doc.setdefault("failures", []).append({"mode": mode, "lr": lr, "seed": seed, "report": str(e)[-3000:],
@@ -370,8 +415,9 @@ def cmd_run(a) -> int:
 
 def cmd_status(a) -> int:
     total = 0
-    for b, n in ORDER:
-        path = json_path(b, n)
+    order, modes = layout_plan(a.layout)
+    for b, n in order:
+        path = json_path(b, n, a.layout)
         if not os.path.exists(path):
             print(f"B={b:>3} samples={n}: not started")
             continue
@@ -383,7 +429,7 @@ def cmd_status(a) -> int:
               f"{sum(r['wall_s'] for r in runs) / 3600:.2f} h")
         for m, s in doc["summary"].items():
             print(f"    {m:<24} best lr {s['best_lr']}  sweep {s['sweep_seed0']}  gap vs DDP % {s['gap_vs_ddp_pct']}")
-        nxt = next_runs(doc)
+        nxt = next_runs(doc, modes)
         print(f"    next: {nxt[:3]}{' ...' if len(nxt) > 3 else ''}" if nxt else "    complete")
     print(f"run time so far {total / 3600:.2f} h")
     return 0
@@ -402,7 +448,7 @@ def workload_with(base: dict, sets: list[str]) -> dict:
 
 def cmd_one(a) -> int:
     workdir = tempfile.mkdtemp(prefix="acl-loss-grid-one-")
-    workload = workload_with(WORKLOAD, a.set)
+    workload = workload_with(workload_of(a.layout), a.set)
     run = run_local(a.global_batch, a.samples, a.mode, a.lr, a.seed, workdir, workload)
     run["workload"] = workload
     run["command"] = " ".join(shlex.quote(x) for x in ["python", "benchmarks/loss_grid.py", *sys.argv[1:]])
@@ -428,22 +474,27 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run the grid's missing points, most useful first (resumable)")
     r.add_argument("--batches", type=int, nargs="*", default=None, help="only these B (default: all)")
     r.add_argument("--lengths", type=int, nargs="*", default=None, help="only these run lengths in samples")
-    r.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
+    r.add_argument("--modes", nargs="*", default=None, choices=MODES + MODES_2X2[1:],
+                   help="only these modes (default: the layout's)")
+    r.add_argument("--layout", default="2x1", choices=LAYOUTS, help="nodes x ranks per node (2x2: the codec "
+                   "modes on the two-level exchange)")
     r.add_argument("--seeds", type=int, default=SEEDS, help="seeds per point (0..N-1; seed 0 sweeps the lr)")
     r.add_argument("--max-runs", type=int, default=None, help="stop after this many finished runs")
-    sub.add_parser("status", help="what is done and each mode's gap to DDP so far")
+    st = sub.add_parser("status", help="what is done and each mode's gap to DDP so far")
+    st.add_argument("--layout", default="2x1", choices=LAYOUTS)
     o = sub.add_parser("one", help="one run, printed (nothing is written under docs/)")
     o.add_argument("--global-batch", type=int, required=True)
     o.add_argument("--samples", type=int, required=True)
     o.add_argument("--mode", required=True)
     o.add_argument("--lr", type=float, required=True)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--layout", default="2x1", choices=LAYOUTS)
     o.add_argument("--append-json", default=None, metavar="PATH",
                    help="also append the run (with its workload and command) to this JSON's list of runs")
     o.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="another workload than the grid's, e.g. --set n_layer=6 --set n_embd=256 --set seq_len=128")
     a = ap.parse_args(argv)
-    if a.cmd == "run" and REFERENCE not in a.modes:
+    if a.cmd == "run" and a.modes is not None and REFERENCE not in a.modes:
         ap.error(f"every gap is against {REFERENCE}: keep it in --modes")
     return {"run": cmd_run, "status": cmd_status, "one": cmd_one}[a.cmd](a)
 

@@ -10,7 +10,8 @@ reach DDP's loss over DDP's own (median over the seeds, quality.run_factor), the
 - the benchmark JSONs of ``RESULT_FILES`` (recipes/benchmark.py, the matched-batch protocol): a row
   counts only where it was scored on DDP's held-out sequences (quality.scored_like_ddp);
 - the loss grid, ``loss_grid/b{B}_n{samples}.json`` (benchmarks/loss_grid.py): every mode on DDP's
-  held-out set at its own swept lr, per seed against DDP's run of that seed.
+  held-out set at its own swept lr, per seed against DDP's run of that seed; ``..._2x2.json``: the
+  gradient-codec modes on the two-level exchange at 2 nodes x 2 ranks, against DDP at 4 ranks.
 
 A point *qualifies* with at least ``MIN_SEEDS`` seeds (3 for a benchmark JSON, 2 for the grid's
 points, whose lr was swept per mode); only qualifying points of a mode's own make a figure, so a
@@ -51,7 +52,7 @@ RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds
                 "bench_hetero_b96_3seeds.json", "acco_headline_100mbit_b16_3seeds.json",
                 "acco_attribution_1gbit_b16_s0.json", "nodes_100mbit_b16_2x2_2seeds.json")
 GRID_DIR = "loss_grid"
-GRID_FILE = re.compile(r"b(\d+)_n(\d+)\.json$")
+GRID_FILE = re.compile(r"b(\d+)_n(\d+)(_\d+x\d+)?\.json$")  # the suffix: nodes x ranks per node, 2 x 1 without
 MIN_SEEDS = {"benchmark": 3, "grid": 2}
 REFERENCE = "torch-ddp"
 
@@ -154,7 +155,9 @@ def _grid_points(results: Path, name: str) -> list[Point]:
     if doc is None:
         return []
     w = doc.get("workload", {})
-    workload = f"GPT-2 {w.get('n_layer')}x{w.get('n_embd')}, seq {w.get('seq_len')}, {w.get('workers')} workers"
+    g = w.get("ranks_per_node", 1)
+    workers = f"{w.get('workers')} workers" if g == 1 else f"{w.get('workers') // g} nodes x {g} ranks"
+    workload = f"GPT-2 {w.get('n_layer')}x{w.get('n_embd')}, seq {w.get('seq_len')}, {workers}"
     ddp_best = (doc.get("summary", {}).get(REFERENCE) or {}).get("best_lr")
     out = []
     for bench, s in doc.get("summary", {}).items():

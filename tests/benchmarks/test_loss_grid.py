@@ -69,3 +69,35 @@ def test_summary_gap_is_seed_against_seed_at_each_modes_best_lr():
     assert s["acco"]["gap_vs_ddp_pct"] == {"0": pytest.approx(5.0), "1": pytest.approx(1.0)}
     assert s["acco"]["gap_vs_ddp_pct_mean"] == pytest.approx(3.0)
     assert s["acco"]["gap_vs_ddp_pct_over_run"]["0"][0] == [1024, pytest.approx(100 * (2.6 / 2.5 - 1))]
+
+
+def test_the_2x2_grid_centres_each_mode_on_its_2x1_best_and_is_read_as_the_two_level_exchange(tmp_path, monkeypatch):
+    """A 2 x 2 point's sweep starts at each codec mode's best lr of the 2 x 1 grid (the B rule where
+    that point has none), its JSON sits beside the 2 x 1 one, and the planner's evidence reads its
+    rows as the two-level exchange's, against DDP's run at 4 ranks."""
+    import json
+
+    from engine.planner.evidence import all_points
+
+    monkeypatch.setattr(g, "OUT_DIR", str(tmp_path / "loss_grid"))
+    flat = doc_with([("acco+loco4", 1e-3, 0, 3.0), ("acco+loco4", 2e-3, 0, 3.2), ("acco+loco4", 4e-3, 0, 3.4)], b=64)
+    flat["samples"] = 3072
+    g.save_doc(flat)
+    doc = g.new_doc(64, 3072, "2x2")
+    assert g.json_path(64, 3072, "2x2").endswith("loss_grid/b64_n3072_2x2.json")
+    assert doc["workload"]["ranks_per_node"] == 2 and doc["workload"]["workers"] == 4
+    centres = doc["lr_rule"]["centre_by_mode"]
+    assert centres["acco+loco4@two_level"] == 1e-3 and centres["torch-ddp"] == g.centre_lr(64)
+    modes = ("torch-ddp", "acco+loco4@two_level")
+    assert g.next_runs(doc, modes) == [("torch-ddp", g.centre_lr(64), 0), ("acco+loco4@two_level", 1e-3, 0)]
+    runs = [(m, lr, s, x) for m, base in (("torch-ddp", 3.0), ("acco+loco4@two_level", 3.03))
+            for lr, s, x in ((centres[m] / 2, 0, base + 0.2), (centres[m], 0, base), (centres[m] * 2, 0, base + 0.1),
+                             (centres[m], 1, base))]
+    doc["runs"] = doc_with(runs, b=64)["runs"]
+    g.save_doc(doc)
+    (tmp_path / "loss_grid" / "b64_n3072.json").unlink()  # only the 2 x 2 point is evidence here
+    points = [p for p in all_points(tmp_path, ()) if p.kind == "grid"]
+    assert [(p.key, p.bench, p.seeds) for p in points] == [("acco|loco4|int8|two-level", "acco+loco4@two_level",
+                                                            (0, 1))]
+    assert points[0].gap_pct == pytest.approx(1.0) and "2 nodes x 2 ranks" in points[0].workload
+    assert json.loads((tmp_path / "loss_grid" / "b64_n3072_2x2.json").read_text())["layout"] == "2x2"
