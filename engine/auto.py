@@ -83,7 +83,7 @@ def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | N
     from .planner.recommend import plan_rows
     from .planner.timeline import Batch
 
-    goal = Goal(cfg.auto_goal, cfg.auto_loss_bound_pct)
+    goal = Goal(cfg.auto_goal, cfg.auto_loss_bound_pct, cfg.optimizer)
     modes = auto_modes(cfg, layout)
     groups: dict[int, list] = {}
     for m in modes:
@@ -100,7 +100,7 @@ def decide_auto(cfg, shape, layout, hw, ws, results: Path | None, steps: int | N
     for per_step, ms in groups.items():
         b = batch if batch is not None else Batch(per_step, 1)
         got, _ = plan_rows(shape, layout, hw, b, ws, ms, hw.memory_bytes, steps, results, "auto", label,
-                           with_reference=False)
+                           with_reference=False, optimizer=cfg.optimizer)
         rows += got
     decision = decide(rows, goal)
     return decision.choice, decision, rows

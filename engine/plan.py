@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .parallel.topology import Layout
 from .planner.fit import CHECKPOINTING
-from .planner.goal import DEFAULT_GOAL, DEFAULT_LOSS_BOUND_PCT, GOALS, Goal
+from .planner.goal import DEFAULT_GOAL, DEFAULT_LOSS_BOUND_PCT, GOALS, OPTIMIZER_NAMES, Goal
 from .planner.hardware import H100_BF16_FLOPS, H100_MEM_GIB, NODE_HOST_GIB, cpu_testbed, gpu
 from .planner.modes import candidates
 from .planner.recommend import format_plan, make_plan
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--goal", choices=GOALS, default=DEFAULT_GOAL,
                    help="loss_per_sample = the fastest mode whose measured loss per sample is within --loss-bound of "
                         "AdamW's; time_to_loss = the least predicted time to AdamW's loss (EngineConfig auto_goal)")
+    d.add_argument("--optimizer", choices=tuple(OPTIMIZER_NAMES), default="adamw",
+                   help="the optimizer the run steps with (EngineConfig optimizer): every loss figure is measured "
+                        "against torch DDP with the same one, and a mode without such rows is not measured")
     d.add_argument("--loss-bound", type=float, default=DEFAULT_LOSS_BOUND_PCT, metavar="PCT",
                    help="with --goal loss_per_sample: the most held-out loss above AdamW's at equal samples, percent "
                         "(EngineConfig auto_loss_bound_pct)")
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
     if a.steps is not None and a.steps < 1:
         raise SystemExit(f"--steps {a.steps}: give the planned run's optimizer steps, at least 1")
     try:
-        goal = Goal(a.goal, a.loss_bound)
+        goal = Goal(a.goal, a.loss_bound, a.optimizer)
     except ValueError as exc:
         raise SystemExit(f"--loss-bound: {exc}")
     if a.flat_only and a.topology == "two_level":
@@ -234,7 +237,7 @@ def main(argv=None) -> int:
                                           "samples_to_adamw_loss": r.factor.value,
                                           "samples_sources": [p.describe() for p in r.factor.basis],
                                           "to_loss_vs_ddp": r.to_loss_vs_ddp} for r in plan.rows],
-               "goal": {"kind": goal.kind, "loss_bound_pct": goal.loss_bound_pct},
+               "goal": {"kind": goal.kind, "loss_bound_pct": goal.loss_bound_pct, "optimizer": goal.optimizer},
                "recommended": plan.choice.mode.name if plan.choice else None, "why": plan.why,
                "soonest": plan.soonest.mode.name if plan.soonest else None, "why_soonest": plan.why_soonest,
                "measured": asdict(measured) if measured is not None else None}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from engine.parallel.topology import Layout, exchange_for
 from engine.strategies import strategy_class
 
-from .goal import Goal
+from .goal import OPTIMIZER_NAMES, Goal
 from .modes import Mode, auto_strategies
 
 TIE = 0.03  # modes within 3% of the best count as equal
@@ -94,26 +94,26 @@ def _figure(row, goal: Goal):
     return row.factor if goal.kind == "time_to_loss" else row.loss
 
 
-def loss_text(row) -> str:
-    """The row's loss per sample with the B and length of its evidence, its sources and where the
-    run lies outside them."""
+def loss_text(row, opt: str = "AdamW") -> str:
+    """The row's loss per sample (against torch DDP with the optimizer ``opt``) with the B and
+    length of its evidence, its sources and where the run lies outside them."""
     est = row.loss
     if est.reference:
-        return "loss per sample: the reference (AdamW)"
+        return f"loss per sample: the reference ({opt})"
     if not est.measured:
         return "loss per sample: " + est.not_measured()
-    out = (f"loss per sample {est.value:+.2f}% vs AdamW at {est.evidence().replace('; beyond', '')} "
+    out = (f"loss per sample {est.value:+.2f}% vs {opt} at {est.evidence().replace('; beyond', '')} "
            f"[{est.sources()}]")
     return out + (f"; {est.beyond}" if est.beyond else "") + (f"; {est.note}" if est.note else "")
 
 
-def factor_text(row) -> str:
+def factor_text(row, opt: str = "AdamW") -> str:
     est = row.factor
     if est.reference:
-        return "samples to AdamW's loss: 1x (the reference)"
+        return f"samples to {opt}'s loss: 1x (the reference)"
     if not est.measured:
-        return "samples to AdamW's loss: " + est.not_measured()
-    return (f"samples to AdamW's loss {est.value:.2f}x AdamW's at {est.evidence().replace('; beyond', '')}"
+        return f"samples to {opt}'s loss: " + est.not_measured()
+    return (f"samples to {opt}'s loss {est.value:.2f}x {opt}'s at {est.evidence().replace('; beyond', '')}"
             + (f" ({est.beyond})" if est.beyond else ""))
 
 
@@ -137,7 +137,7 @@ def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool,
     if not pool_rows:
         return Decision(goal, None, f"Goal: {goal.describe()}. No candidate mode to decide between.")
     eligible = [r for r in pool_rows if _rejection(r, goal) is None]
-    head = f"Goal: {goal.describe()}. "
+    head, opt = f"Goal: {goal.describe()}. ", OPTIMIZER_NAMES[goal.optimizer]
     if not eligible:
         unfit = [r for r in pool_rows if _figure(r, goal).measured and r.fits is False
                  and (goal.kind != "loss_per_sample" or _figure(r, goal).value <= goal.loss_bound_pct)]
@@ -164,9 +164,9 @@ def decide(rows: list, goal: Goal, pool: Callable[[Mode], bool] = in_pool,
                   + (" (activation checkpointing: needed to fit)" if choice.checkpointing else "") + ". ")
     if goal.kind == "time_to_loss":
         to_loss = (f"{choice.to_loss_vs_ddp:.2f}x torch DDP's" if choice.to_loss_vs_ddp is not None else
-                   f"{score(choice, goal) * 1e3:.3g} ms per sample of AdamW's progress")
-        why += f"Predicted time to AdamW's loss {to_loss}; {factor_text(choice)}. "
-    text = loss_text(choice)
+                   f"{score(choice, goal) * 1e3:.3g} ms per sample of {opt}'s progress")
+        why += f"Predicted time to {opt}'s loss {to_loss}; {factor_text(choice, opt)}. "
+    text = loss_text(choice, opt)
     why += text[0].upper() + text[1:] + ". "
     if len(near) > 1:
         why += f"{len(near) - 1} other mode(s) within {TIE:.0%}: the one with the fewest lossy codecs and rounds. "

@@ -50,7 +50,9 @@ RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds
                 "bench_20mbit_b16_seeds3.json", "bench_100mbit_b16_3seeds.json", "bench_100mbit_b16_s0_local.json",
                 "bench_100mbit_b64_3seeds.json", "bench_1gbit_b16_3seeds.json", "bench_1gbit_b16_loss_3seeds.json",
                 "bench_hetero_b96_3seeds.json", "acco_headline_100mbit_b16_3seeds.json",
-                "acco_attribution_1gbit_b16_s0.json", "nodes_100mbit_b16_2x2_2seeds.json")
+                "acco_attribution_1gbit_b16_s0.json", "nodes_100mbit_b16_2x2_2seeds.json",
+                # with optimizer="muon" (torch DDP + Muon the reference): docs/acco_delay.md
+                "muon_sweep_1gbit_b16.json", "muon_protocol_1gbit_b16_3seeds.json")
 GRID_DIR = "loss_grid"
 GRID_FILE = re.compile(r"b(\d+)_n(\d+)(_\d+x\d+)?\.json$")  # the suffix: nodes x ranks per node, 2 x 1 without
 MIN_SEEDS = {"benchmark": 3, "grid": 2}
@@ -89,6 +91,7 @@ class Point:
     factor_runs: int = 0
     warmup_fraction: float | None = None  # 1-bit Adam: its warmup's share of DDP's steps to the loss
     workload: str = ""
+    optimizer: str = "adamw"  # the optimizer every mode of its JSON ran, torch DDP's with it the reference
 
     @property
     def qualifies(self) -> bool:
@@ -127,7 +130,7 @@ def _bench_points(results: Path, name: str) -> list[Point]:
                          float(o["loss_vs_ref_samples"]), float(o["loss_vs_ref_pct"]), seeds,
                          tuple(per_seed[str(s)] for s in seeds),
                          statistics.median(factors) if factors else None, len(factors),
-                         statistics.median(warm) if warm else None, _workload(cfg)))
+                         statistics.median(warm) if warm else None, _workload(cfg), cfg.get("optimizer") or "adamw"))
     return out
 
 
@@ -172,7 +175,8 @@ def _grid_points(results: Path, name: str) -> list[Point]:
         factors = [f[0] for k in seeds if k in runs and k in ref and (f := run_factor(runs[k], ref[k])) is not None]
         out.append(Point(evidence_key(mode), bench, name, "grid",
                          int(doc["global_batch"]), float(doc["samples"]), statistics.median(per_seed), seeds,
-                         per_seed, statistics.median(factors) if factors else None, len(factors), None, workload))
+                         per_seed, statistics.median(factors) if factors else None, len(factors), None, workload,
+                         w.get("optimizer", "adamw")))
     return out
 
 
@@ -196,16 +200,18 @@ def all_points(results: Path | None, files: tuple[str, ...] = RESULT_FILES) -> t
                 found += _grid_points(Path(results), f"{GRID_DIR}/{path.name}")
     seen, out = set(), []
     for p in found:
-        sig = (p.key, p.global_batch, p.samples, p.seeds, tuple(round(x, 9) for x in p.per_seed))
+        sig = (p.key, p.optimizer, p.global_batch, p.samples, p.seeds, tuple(round(x, 9) for x in p.per_seed))
         if sig not in seen:
             seen.add(sig)
             out.append(p)
     return tuple(out)
 
 
-def points_of(mode: Mode, results: Path | None, files: tuple[str, ...] = RESULT_FILES) -> tuple[Point, ...]:
+def points_of(mode: Mode, results: Path | None, files: tuple[str, ...] = RESULT_FILES,
+              optimizer: str = "adamw") -> tuple[Point, ...]:
+    """The mode's points measured with ``optimizer`` (each against torch DDP with the same one)."""
     key = evidence_key(mode)
-    return tuple(p for p in all_points(results, files) if p.key == key)
+    return tuple(p for p in all_points(results, files) if p.key == key and p.optimizer == optimizer)
 
 
 # ------------------------------------------------------------------ the figure at a batch and length
@@ -321,17 +327,18 @@ def interpolate(points: list[Point], global_batch: int, samples: float | None, q
 
 
 def estimate(mode: Mode, results: Path | None, global_batch: int, samples: float | None,
-             quantity: str = "gap_pct", label: str = "the run", files: tuple[str, ...] = RESULT_FILES) -> Estimate:
+             quantity: str = "gap_pct", label: str = "the run", files: tuple[str, ...] = RESULT_FILES,
+             optimizer: str = "adamw") -> Estimate:
     """The mode's loss per sample (``gap_pct``) or samples factor (``factor``) at the run's B and
-    length, from its own qualifying points only; torch DDP fp32 is the reference (0%, 1x), its
-    bf16 ring was never measured."""
+    length, from its own qualifying points with ``optimizer`` only; torch DDP fp32 with the same
+    optimizer is the reference (0%, 1x), its bf16 ring was never measured."""
     if mode.is_ddp:
         if mode.ddp_dtype == "float32":
             return Estimate(0.0 if quantity == "gap_pct" else 1.0, reference=True)
         return Estimate(None, note="not measured (bf16 gradient all-reduce)")
     if results is None:
         return Estimate(None, note="not measured here (no results folder given: --results)")
-    own = points_of(mode, results, files)
+    own = points_of(mode, results, files, optimizer)
     good = [p for p in own if p.qualifies and getattr(p, quantity) is not None]
     bad = tuple(p for p in own if not p.qualifies)
     if not good:

@@ -18,12 +18,16 @@ from dataclasses import dataclass
 GOALS = ("loss_per_sample", "time_to_loss")
 DEFAULT_GOAL = "loss_per_sample"
 DEFAULT_LOSS_BOUND_PCT = 0.5  # percent of AdamW's held-out loss at equal samples
+# the optimizer the run steps with: its loss figures are measured against torch DDP with the same
+# one (EngineConfig's optimizer; Muon's JSONs: docs/acco_delay.md)
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD"}
 
 
 @dataclass(frozen=True)
 class Goal:
     kind: str = DEFAULT_GOAL
     loss_bound_pct: float = DEFAULT_LOSS_BOUND_PCT  # read by loss_per_sample only
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.kind not in GOALS:
@@ -33,9 +37,15 @@ class Goal:
                 and self.loss_bound_pct >= 0):
             raise ValueError(f"loss bound {self.loss_bound_pct!r}: give a percentage >= 0 (e.g. 0.5 for "
                              "within 0.5% of AdamW's held-out loss)")
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose one of {tuple(OPTIMIZER_NAMES)} (the optimizer the "
+                             "run steps with; its loss figures are measured against torch DDP with the same one)")
 
     def describe(self) -> str:
+        opt = OPTIMIZER_NAMES[self.optimizer]
         if self.kind == "loss_per_sample":
-            return (f"keep AdamW's loss per sample (held-out loss at equal samples within "
-                    f"+{self.loss_bound_pct:g}% of torch DDP's), then the fastest")
-        return "reach AdamW's loss soonest (predicted time per sample x the measured samples to AdamW's loss)"
+            return (f"keep {opt}'s loss per sample (held-out loss at equal samples within "
+                    f"+{self.loss_bound_pct:g}% of torch DDP's" + ("" if opt == "AdamW" else f" with {opt}")
+                    + "), then the fastest")
+        return (f"reach {opt}'s loss soonest (predicted time per sample x the measured samples to {opt}'s loss"
+                + ("" if opt == "AdamW" else " with torch DDP") + ")")

@@ -71,7 +71,7 @@ def reference_mode(ws: WireSettings) -> Mode:
 
 def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws: WireSettings, modes: list[Mode],
               limit: float | Limits | None, steps: int | None, results: Path | None, checkpointing: str,
-              label: str = "the run", with_reference: bool = True) -> tuple[list[PlanRow], Mode]:
+              label: str = "the run", with_reference: bool = True, optimizer: str = "adamw") -> tuple[list[PlanRow], Mode]:
     """Every mode's row at ``batch``; the loss figures at B = ``batch.global_samples`` and a run
     of ``steps`` x B samples (None: the longest measured at each B). ``with_reference``: price
     torch DDP too and give every row its ratios to it (strategy="auto" does not: a probe of one
@@ -87,8 +87,8 @@ def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     rows = []
     for m in modes:
         state, act, ckpt, fits = fit[m]
-        loss = estimate(m, results, b, samples, "gap_pct", label)
-        factor = estimate(m, results, b, samples, "factor", label)
+        loss = estimate(m, results, b, samples, "gap_pct", label, optimizer=optimizer)
+        factor = estimate(m, results, b, samples, "factor", label, optimizer=optimizer)
         warm = warm_s = None
         if not m.is_ddp and m.spec.warmup_as and factor.measured:  # 1-bit Adam's AdamW warmup
             warm = warmup_fraction(factor)
@@ -118,14 +118,16 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     modes = modes or candidates(two_level=layout.ranks_per_node > 1)
     limit = Limits(memory_limit if memory_limit is not None else hw.memory_bytes, hw.host_memory_bytes)
     label = label or f"the {shape.params / 1e9:.3g}B run"
-    rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label)
+    rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label,
+                          optimizer=goal.optimizer)
     settings = (topology, model_sharding, optimizer_offload)
     decision = decide(rows, goal, lambda m: _pool(m, layout, *settings))
     why = decision.why
     if decision.choice is None and any(_pool(r.mode, layout, *settings) and not r.fits for r in rows):
         why += " " + what_would_fit(shape, layout, batch, ws, limit, modes, checkpointing,
                                     lambda m: meets_goal(m, goal, results, rows[0].samples_per_step, steps))
-    soon = decide(rows, Goal("time_to_loss"), lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), list_faster=0)
+    soon = decide(rows, Goal("time_to_loss", optimizer=goal.optimizer),
+                  lambda m: not (m.is_ddp and m.ddp_dtype != "float32"), list_faster=0)
     return Plan(rows, ref, decision.choice, why, soon.choice, _soonest_why(soon), limit.device or 0.0, goal,
                 limit.host)
 
@@ -137,7 +139,8 @@ def meets_goal(m: Mode, goal: Goal, results: Path | None, global_batch: int, ste
     if not in_pool(m):
         return False
     samples = steps * global_batch if steps is not None else None
-    est = estimate(m, results, global_batch, samples, "factor" if goal.kind == "time_to_loss" else "gap_pct")
+    est = estimate(m, results, global_batch, samples, "factor" if goal.kind == "time_to_loss" else "gap_pct",
+                   optimizer=goal.optimizer)
     return est.measured and (goal.kind == "time_to_loss" or est.value <= goal.loss_bound_pct)
 
 

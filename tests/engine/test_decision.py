@@ -183,6 +183,32 @@ def test_goal_is_one_setting_with_clear_errors():
         EngineConfig(strategy="auto", auto_goal="fastest").validate()
 
 
+def test_muon_runs_stand_on_muon_rows_against_ddp_with_muon():
+    """With optimizer='muon' every loss figure comes from the Muon JSONs (torch DDP + Muon the
+    reference) and an AdamW row never stands in; the AdamW figures do not move."""
+    acco = Mode("acco")
+    muon = estimate(acco, RESULTS, 16, 3072, optimizer="muon")
+    doc = json.loads((RESULTS / "muon_protocol_1gbit_b16_3seeds.json").read_text())
+    row = next(o for o in doc["modes"] if o["mode"] == "acco")
+    assert muon.measured and muon.value == pytest.approx(row["loss_vs_ref_pct"])
+    assert {p.source for p in muon.basis} == {"muon_protocol_1gbit_b16_3seeds.json"}
+    adamw = estimate(acco, RESULTS, 16, 3072)
+    assert adamw.measured and all(p.optimizer == "adamw" for p in adamw.basis) and adamw.value != muon.value
+    # a mode with AdamW rows only is not measured under Muon (seed 0 of the sweep alone: too few seeds)
+    int8 = Mode("zero1", "loco4", "int8")
+    assert estimate(int8, RESULTS, 16, 3072).measured
+    assert not estimate(int8, RESULTS, 16, 3072, optimizer="muon").measured
+    plan = make_plan(PRESETS["1b"], Layout(2, 1), gpu(1, mfu=MFU), Batch(16, 1), results=RESULTS,
+                     goal=Goal(optimizer="muon"))
+    assert "keep Muon's loss per sample" in plan.why and "AdamW" not in plan.why
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        Goal(optimizer="lion")
+    cfg = EngineConfig(strategy="auto", optimizer="muon", global_micro_batches=16)
+    _, decision, _ = decide_auto(cfg, PRESETS["1b"], Layout(2, 1), gpu(1, mfu=MFU), WireSettings(), RESULTS, None,
+                                 batch=Batch(16, 1))
+    assert decision.goal.optimizer == "muon"
+
+
 def test_auto_modes_follow_the_config():
     two = Layout(2, 8)
     modes = auto_modes(EngineConfig(strategy="auto"), two)
@@ -203,7 +229,7 @@ def test_the_planner_cli_takes_the_goal_and_prints_the_evidence(tmp_path, capsys
     assert "Recommended: Goal: reach AdamW's loss soonest" in text
     assert "evidence reaches B = 96, length 3072 samples; the 70.6B run at B = 1024 is beyond it" in text
     doc = json.loads(out.read_text())
-    assert doc["goal"] == {"kind": "time_to_loss", "loss_bound_pct": 0.5}
+    assert doc["goal"] == {"kind": "time_to_loss", "loss_bound_pct": 0.5, "optimizer": "adamw"}
     rec = next(r for r in doc["rows"] if r["mode"] == doc["recommended"])
     assert rec["samples_to_adamw_loss"] is not None and rec["loss_evidence"].startswith("B 96")
     assert any(r["loss_not_measured"].startswith("not measured") for r in doc["rows"])
