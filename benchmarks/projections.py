@@ -87,7 +87,8 @@ def evidence_table() -> str:
     >= 2 of the loss grid) and how many do not qualify."""
     by: dict[str, list] = {}
     for p in all_points(RESULTS):
-        by.setdefault(p.bench.split("@")[0] + (" (two-level)" if p.key.endswith("|two-level") else ""), []).append(p)
+        by.setdefault(p.bench.split("@")[0] + (" (two-level)" if p.key.endswith("|two-level") else "")
+                      + ("" if p.optimizer == "adamw" else f", {p.optimizer}"), []).append(p)
     lines = [("| mode (benchmark name) | qualifying rows: B, samples, loss vs DDP (seeds; JSON) | B and length "
               "reached | rows with too few seeds |"), "|---|---|---|---|"]
     for name, ps in by.items():
