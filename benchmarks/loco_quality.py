@@ -51,10 +51,11 @@ class QualityConfig:
     group_size: int = 128
     eval_batches: int = 16  # held-out micro-batches (of micro_batch_size x seq_len) evaluated at the end
     heldout: str = "hamlet"
+    optimizer: str = "adamw"  # "muon": Muon for the hidden matrices, AdamW for the rest (EngineConfig)
     extra: dict = field(default_factory=dict)  # further EngineConfig overrides for every mode
 
 
-def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
+def _worker(rank: int, world: int, qc_dict: dict, overrides: dict) -> dict:
 
     from engine import Engine, EngineConfig
     from lm.data import (
@@ -79,9 +80,9 @@ def _worker(rank: int, world: int, qc_dict: dict, mode: str) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     cfg = EngineConfig(**{
         "micro_batches": qc.micro_batches, "accumulation": "fixed", "max_steps": qc.steps,
-        "optimizer": "adamw", "lr": qc.lr, "lr_schedule": "constant", "warmup_steps": qc.warmup_steps,
+        "optimizer": qc.optimizer, "lr": qc.lr, "lr_schedule": "constant", "warmup_steps": qc.warmup_steps,
         "seed": qc.seed, "group_size": qc.group_size, "compute_dtype": "float32",
-        **qc.extra, **MODES[mode]})
+        **qc.extra, **overrides})
     batches = TokenBatches(train_tokens, qc.seq_len, qc.micro_batch_size, rank=rank, world_size=world,
                            seed=qc.seed)
     engine = Engine(model, cfg, loss_fn=hf_lm_loss)
@@ -106,7 +107,7 @@ def run_mode(mode: str, qc: QualityConfig, timeout: float | None = None) -> dict
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose from {sorted(MODES)}")
     t0 = time.perf_counter()
-    results = spawn(_worker, qc.world, asdict(qc), mode,
+    results = spawn(_worker, qc.world, asdict(qc), MODES[mode],
                     timeout=timeout if timeout is not None else max(600.0, 20.0 * qc.steps))
     wall = time.perf_counter() - t0
     r0 = results[0]
@@ -168,10 +169,19 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=QualityConfig.warmup_steps)
     p.add_argument("--eval-batches", type=int, default=QualityConfig.eval_batches)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=QualityConfig.optimizer)
+    p.add_argument("--codecs", nargs="*", default=[], metavar="CODEC",
+                   help="also run zero1 with each of these gradient codecs and int8 parameter deltas, named "
+                        "zero1+CODEC (e.g. loco4 ef4 int4: LoCo's moving-average error, classic error feedback, "
+                        "none)")
     a = p.parse_args(argv)
+    for c in a.codecs:
+        MODES[f"zero1+{c}"] = {"strategy": "zero1", "codec": c, "param_codec": "int8"}
+        a.modes.append(f"zero1+{c}")
     qc = QualityConfig(steps=a.steps, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq_len=a.seq_len,
                        micro_batch_size=a.micro_batch_size, micro_batches=a.micro_batches, lr=a.lr,
-                       warmup_steps=a.warmup_steps, eval_batches=a.eval_batches, seed=a.seed)
+                       warmup_steps=a.warmup_steps, eval_batches=a.eval_batches, seed=a.seed,
+                       optimizer=a.optimizer)
     modes = list(dict.fromkeys(a.modes))
     if "zero1" in modes:  # the reference first
         modes.remove("zero1")
