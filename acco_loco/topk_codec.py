@@ -213,7 +213,9 @@ def aggregate(codec: TopKCodec, payloads: Tensor, weights: list[float], numel: i
         clipped = clip_to_median([r for r, _ in rows], *clip)
         rows = [(r, w) for r, (_, w) in zip(clipped, rows)]
     for (pos, values), weight in rows:
-        out.index_add_(0, pos, values * weight)  # positions are unique within a payload
+        # positions are unique within a payload, so each value gets at most one add per row (a
+        # plain add, the same on every device and run); the rows are added in order
+        out.index_add_(0, pos, values * weight)
         if senders is not None:
             senders.index_add_(0, pos, torch.full_like(values, weight))
     if senders is not None:
@@ -226,8 +228,29 @@ def clip_to_median(rows: list[tuple[Tensor, Tensor]], segment: Tensor, segments:
     the median taken per segment over the rows given (templar's median-norm clip, acco_loco/tiled_topk.py)."""
     if not rows:
         return rows
-    norms = torch.stack([torch.zeros(segments, dtype=torch.float32, device=v.device).index_add_(0, segment[p], v * v)
+    norms = torch.stack([segment_sums(segment[p], v * v, torch.zeros(segments, dtype=torch.float32, device=v.device))
                          for p, v in rows]).sqrt()
     median = norms.median(dim=0).values
     factor = (median / (norms + CLIP_EPS)).clamp(max=1.0)
     return [(p, v * factor[r][segment[p]]) for r, (p, v) in enumerate(rows)]
+
+
+def segment_sums(segment_of: Tensor, values: Tensor, start: Tensor) -> Tensor:
+    """``start[j] + sum of values[i] with segment_of[i] == j``, added one after the other in the
+    order given, for every segment j < len(start): the bits of ``start.index_add_(0, segment_of,
+    values)`` on a CPU, whose 1-D kernel adds in that order, but in a fixed order on every device
+    (CUDA's ``index_add_`` adds with atomics, in whatever order the threads come, so two replicas
+    could get different sums from the same payloads). The running totals go first, each before
+    its segment's values; a stable sort groups the values by segment keeping their order, and
+    ``torch.segment_reduce`` sums each group (in one thread on a CPU, a fixed tree on CUDA). No
+    host read: the group lengths come from ``searchsorted``."""
+    if values.dtype != start.dtype or segment_of.shape != values.shape or start.dim() != 1:
+        raise ValueError(f"segment_sums: values {values.dtype} {tuple(values.shape)} need one segment each "
+                         f"(got {tuple(segment_of.shape)}) and a 1-D start of the same dtype (got {start.dtype} "
+                         f"{tuple(start.shape)})")
+    segments = start.numel()
+    ids = torch.cat([torch.arange(segments, device=values.device, dtype=torch.int64), segment_of.to(torch.int64)])
+    sorted_ids, order = torch.sort(ids, stable=True)
+    data = torch.cat([start, values])[order]
+    bounds = torch.searchsorted(sorted_ids, torch.arange(segments + 1, device=values.device, dtype=torch.int64))
+    return torch.segment_reduce(data, "sum", lengths=bounds.diff(), unsafe=True)

@@ -9,7 +9,8 @@ last, a multiple of 8 chunks, so each piece's index and value bit streams end on
 whole payload's three sections are the pieces' sections joined. Decoding a piece reads its bytes
 out of each section. Combining adds the rows in the same order per value as ``aggregate``; the
 median clip's per-tensor norms are summed over the pieces in position order (the order
-``index_add_`` takes them in the whole) in a first pass and applied in a second.
+``segment_sums`` takes them in the whole, each piece's added to the running totals) in a first
+pass and applied in a second.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .topk_codec import CLIP_EPS, TopKCodec
+from .topk_codec import CLIP_EPS, TopKCodec, segment_sums
 
 
 def chunk_pieces(numel: int, chunk: int, piece: int) -> list[tuple[int, int]]:
@@ -89,7 +90,7 @@ class PieceAggregate:
             for a, b in chunk_pieces(numel, codec.chunk, piece):
                 for r, (row, _) in enumerate(self.rows):
                     pos, v = decode_piece(codec, row, numel, a, b)
-                    squares[r].index_add_(0, segment[a:b][pos], v * v)
+                    squares[r] = segment_sums(segment[a:b][pos], v * v, squares[r])
             norms = squares.sqrt()
             self.factor = (norms.median(dim=0).values / (norms + CLIP_EPS)).clamp(max=1.0)
 
@@ -100,7 +101,7 @@ class PieceAggregate:
             pos, values = decode_piece(self.codec, row, self.numel, a, b)
             if self.factor is not None:
                 values = values * self.factor[r][self.clip[0][a:b][pos]]
-            out.index_add_(0, pos, values * weight)
+            out.index_add_(0, pos, values * weight)  # unique positions: one plain add each, any order
             if senders is not None:
                 senders.index_add_(0, pos, torch.full_like(values, weight))
         if senders is not None:
