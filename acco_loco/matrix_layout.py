@@ -49,3 +49,17 @@ def _pack(sizes: list[int], whole: list[bool], world: int, shard: int) -> list[i
     if pending or next_split < len(splittable) or pos > world * shard:
         return None
     return offsets
+
+
+def owners(sizes: list[int], ranks: int) -> list[int]:
+    """Which of ``ranks`` ranks steps each matrix (``sizes``: their values): the largest first,
+    each to the rank with the fewest values so far (the lowest rank on a tie), so the ranks'
+    loads differ by at most one matrix. model_sharding='node' uses it for the matrices of a
+    node's chunk, whose rows the node's ranks share (engine/parallel/node_matrices.py)."""
+    if ranks < 1:
+        raise ValueError(f"{ranks} ranks: at least one must own the matrices")
+    load, out = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        out[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[out[i]] += sizes[i]
+    return out

@@ -197,8 +197,9 @@ class EngineConfig:
         self._check_optimizer_offload()
 
     def _check_matrix_optimizer(self) -> None:
-        """optimizer='muon' steps whole matrices: a strategy whose owner steps whole shards, the
-        flat or two-level layout, the whole spare (step_copy), and torch's Muon (torch >= 2.9)."""
+        """optimizer='muon' steps whole matrices: a strategy whose owner steps whole shards (under
+        model_sharding='node' each matrix is gathered to one rank of its node), the whole spare
+        (step_copy), and torch's Muon (torch >= 2.9)."""
         if self.optimizer != "muon":
             return
         why = strategy_class(self.strategy).whole_matrices_refused if self.strategy in STRATEGIES else None
@@ -209,10 +210,8 @@ class EngineConfig:
             raise ValueError("step_copy='piece' with optimizer='muon': Muon steps whole matrices, which reach past "
                              "a piece's scratch, so its step is proposed into the whole spare: use step_copy='auto' "
                              "or 'whole'")
-        if self.model_sharding != "none":
-            raise ValueError("optimizer='muon' with model_sharding='node': Muon needs each matrix whole on its "
-                             "owner and FSDP2 cuts matrices by rows over the node's ranks (gathering them inside "
-                             "the node is not built yet); use model_sharding='none' or optimizer='adamw'")
+        # model_sharding='node' too: each matrix's rows gathered to one rank of its node for Newton-Schulz
+        # in the round (engine/parallel/node_matrices.py), for every strategy the check above lets through
         import torch
 
         if not hasattr(torch.optim, "Muon"):

@@ -140,12 +140,12 @@ def build_context(model: torch.nn.Module, named: list, cfg, dims: ParallelDims, 
         from ..parallel.sharding import checkpoint_blocks
 
         checkpoint_blocks(model)
+    whole = hidden_matrices(model, named) if spec.name == "muon" else None  # kept in one shard each
     if node_sharded:  # FSDP2 inside the node, the exchange on local shards
         from ..parallel.sharding import build_sharded_context
 
-        return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype, weights)
+        return build_sharded_context(model, named, whole32, cfg, dims, strategy, spec, dtype, weights, whole)
     comm = dims.comm("world")
-    whole = hidden_matrices(model, named) if spec.name == "muon" else None  # kept in one shard each
     flat = FlatParams([p for _, p in named], [n for n, _ in named], dims.world,
                       math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_dtype=grad_dtype, whole=whole)
     dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, dims.device))  # pieces per collective

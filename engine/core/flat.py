@@ -142,7 +142,7 @@ class LocalShards:
     into each local shard, ``read_into`` the shards into a buffer."""
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], world_size: int,
-                 align: int, dtype: torch.dtype, grad_buffers: int = 2):
+                 align: int, dtype: torch.dtype, grad_buffers: int = 2, whole: list[bool] | None = None):
         if not params:
             raise ValueError("the model has no trainable parameters (every requires_grad is False): "
                              "unfreeze at least one parameter")
@@ -151,20 +151,57 @@ class LocalShards:
         self.device, self.dtype, self.params, self.names = local[0].device, dtype, params, names
         self.world_size = world_size
         self.numel = sum(t.numel() for t in local)
-        unit = world_size * align
-        self.padded = max(unit, -(-self.numel // unit) * unit)
-        self.shard_size = self.padded // world_size
-        self.offsets, offset = [], 0
-        for t in local:
-            self.offsets.append((offset, offset + t.numel()))
-            offset += t.numel()
+        # (start, local rows, cols, whole rows) of each parameter an optimizer steps whole (Muon's)
+        self.matrices: list[tuple[int, int, int, int]] = []
+        if whole is not None and any(whole):
+            self._place_whole(local, whole, align)
+        else:
+            unit = world_size * align
+            self.padded = max(unit, -(-self.numel // unit) * unit)
+            self.shard_size = self.padded // world_size
+            self.offsets, offset = [], 0
+            for t in local:
+                self.offsets.append((offset, offset + t.numel()))
+                offset += t.numel()
         self.grads = [torch.zeros(self.padded, dtype=dtype, device=self.device) for _ in range(grad_buffers)]
         self.active = 0
         self.point_grads(0)
 
+    def _place_whole(self, local: list[torch.Tensor], whole: list[bool], align: int) -> None:
+        """Muon under node sharding: every whole parameter's local rows in one chunk, the same
+        chunk on every rail (engine/parallel/node_matrices.py gathers them inside the node).
+        Each parameter gets a slot as long as the largest local rank's rows (local rank 0's:
+        FSDP2 cuts dim 0 as torch.chunk does), so every rail computes the same places
+        (acco_loco/matrix_layout.py); a shorter local shard leaves zeros after it."""
+        g = self.params[0].device_mesh.size()
+        slots = [-(-p.shape[0] // g) * (p.numel() // max(1, p.shape[0])) if p.dim() else p.numel()
+                 for p in self.params]
+        starts, self.shard_size = place(slots, whole, self.world_size, align)
+        self.padded = self.shard_size * self.world_size
+        self.offsets = [(a, a + t.numel()) for a, t in zip(starts, local)]
+        self.matrices = sorted((a, t.shape[0], t.shape[1], p.shape[0])
+                               for a, t, p, w in zip(starts, local, self.params, whole) if w)
+
+    def matrices_in(self, chunk: int) -> list[tuple[int, int, int, int]]:
+        """The whole parameters' local rows (``matrices``) in chunk ``chunk``, their starts counted in it."""
+        lo, hi = chunk * self.shard_size, (chunk + 1) * self.shard_size
+        return [(a - lo, *rest) for a, *rest in self.matrices if lo <= a < hi]
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """A padded local buffer (``values``' dtype) with each local shard, given in order as one
+        vector, at its offset; zeros elsewhere."""
+        out = torch.zeros(self.padded, dtype=values.dtype, device=values.device)
+        at = 0
+        for a, b in self.offsets:
+            out[a:b] = values[at:at + b - a]
+            at += b - a
+        return out
+
     def read_into(self, out: torch.Tensor) -> torch.Tensor:
-        """The local shards, concatenated in order and padded with zeros, into ``out``."""
+        """The local shards, each at its offset, zeros between and after them, into ``out``."""
         with torch.no_grad():
+            if self.matrices:
+                out.zero_()  # slots longer than their shard (engine/parallel/node_matrices.py)
             out[self.numel:].zero_()
             for p, (a, b) in zip(self.params, self.offsets):
                 out[a:b].copy_(p.to_local().reshape(-1))

@@ -123,6 +123,8 @@ class RoundContext:
     # each round gathers into the gradient buffer it has just reduced (``gather_target``)
     gather_buf: torch.Tensor | None
     dims: ParallelDims | None = None  # the layout and the engine's groups (None: a round built by hand)
+    # Muon under model_sharding='node': the node's whole-matrix Newton-Schulz (engine/parallel/node_matrices.py)
+    node_matrices: Any = None
 
     def gather_target(self, grad_index: int) -> torch.Tensor:
         """Where the round that reduces gradient buffer ``grad_index`` gathers the new parameters:

@@ -126,6 +126,7 @@ class Comm:
             raise ValueError(f"peer_nodes names {len(peer_nodes)} ranks for a group of {world_size}")
         # of the world_size - 1 peers, how many sit on this rank's own node
         self._same_node = sum(1 for j, node in enumerate(peer_nodes) if j != rank and node == peer_nodes[rank])
+        self._peer_nodes = peer_nodes
         self._buffers: dict = {}  # buffer(): send/receive tensors reused every round
         # NCCL sums inside its reduce-scatter (a ring: (N-1)/N of the buffer out of each rank);
         # gloo's sends the whole buffer, so there the all-to-all + local sum below is faster
@@ -177,6 +178,20 @@ class Comm:
                 received[:, a:b].copy_(recv)
         self._count(rows[0].numel() * rows.element_size())
         return received
+
+    def all_to_all_split(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Send ``send_counts[j]`` values of flat ``send`` (rank order) to rank j; returns the values
+        received, ``recv_counts[j]`` from rank j, in rank order (all_to_all_single, uneven splits)."""
+        out = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+        if self.world_size == 1:
+            return out.copy_(send)
+        self._enter()
+        dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group)
+        mine, size = self._peer_nodes[self.rank], send.element_size()
+        same = sum(n for j, n in enumerate(send_counts) if j != self.rank and self._peer_nodes[j] == mine)
+        other = sum(n for j, n in enumerate(send_counts) if self._peer_nodes[j] != mine)
+        self._add(same * size, other * size)
+        return out
 
     def buffer(self, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor kept for ``key`` and reused every round (no per-round allocation of

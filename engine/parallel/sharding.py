@@ -40,6 +40,7 @@ from ..strategies import shard_groups
 from .collectives import make_collectives
 from .comm import resolve_chunks
 from .dims import ParallelDims
+from .node_matrices import NodeMatrices
 from .two_level import ShardGrads, ShardParams
 
 log = logging.getLogger("acco_loco")
@@ -138,12 +139,13 @@ def local_values_from_file(model: torch.nn.Module, weights, sharded: list, g: in
 
 def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Tensor | None, cfg,
                           dims: ParallelDims, strategy, spec: OptimizerSpec, dtype: torch.dtype,
-                          weights=None) -> RoundContext:
+                          weights=None, whole: list[bool] | None = None) -> RoundContext:
     """The round context of a node-sharded run (engine/core/context.py ``build_context`` has started
     every replica from rank 0's values and cast them, or, with ``weights``, left the model on the
     meta device: each rank then reads its local shards from the folder): the model sharded with
     FSDP2 over the compute thread's node group, the local buffer and the rail's reducer and
-    gatherer around it."""
+    gatherer around it. ``whole``: the parameters Muon steps whole, each kept in one chunk
+    (engine/parallel/node_matrices.py), or None."""
     layout, device = dims.layout, dims.device
     m, g = layout.nodes, layout.ranks_per_node
     blocks = shard_model(model, dims.fsdp_mesh()["local"])
@@ -161,15 +163,16 @@ def build_sharded_context(model: torch.nn.Module, named: list, whole32: torch.Te
     # accumulates into a second one meanwhile, and each round gathers into the one it reduced
     one = not strategy.plan.overlap or strategy.plan.local_steps > 0  # local steps read no second buffer
     flat = LocalShards([p for _, p in sharded], [n for n, _ in sharded], m,
-                       math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2)
+                       math.lcm(cfg.align, *shard_groups(cfg)), dtype, grad_buffers=1 if one else 2, whole=whole)
     dims.set_chunks(resolve_chunks(cfg.comm_chunks, flat.shard_size, device))
-    padded32 = torch.zeros(flat.padded, dtype=torch.float32, device=device)
-    torch.cat(local32, out=padded32[:flat.numel])
+    padded32 = flat.spread(torch.cat(local32).to(device=device, dtype=torch.float32))
     node, rail = dims.comm("node"), dims.comm("rail")
     inner_grads, inner_params = make_collectives(cfg, flat.padded, m, device, dims.rank, dtype)
     owned = strategy.initial_values(flat, padded32, layout.node, None)  # chunk m of the rail's buffer
+    matrices = NodeMatrices(flat.matrices_in(layout.node), node, g, layout.local) if flat.matrices else None
     return RoundContext(cfg=cfg, comm=dims.comm("world"), flat=flat, spec=spec,
-                        shard_state=init_state(owned, spec), grads=ShardGrads(inner_grads, node, rail, layout),
+                        shard_state=init_state(owned, spec, matrices.blocks if matrices else ()),
+                        grads=ShardGrads(inner_grads, node, rail, layout), node_matrices=matrices,
                         params=ShardParams(inner_params, node, rail, layout, refresh=flat.read_into if one else None),
                         # (a strategy whose parameters live in it between rounds, local_sgd's, keeps its own)
                         gather_buf=flat.grads[0] if one and not getattr(strategy, "gathered_is_state", False)

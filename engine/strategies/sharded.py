@@ -273,6 +273,8 @@ def step_and_gather(ctx: RoundContext, step_sum: torch.Tensor, count: int, grad_
                 ("optimizer.scratch",), (step_sum.numel(),), torch.float32, step_sum.device)
         proposal = Proposal(grad, count, clip_coefficient(grad_norm, ctx.cfg.max_grad_norm), lr, pieces, spare,
                             scratch, fused)
+        if ctx.node_matrices is not None:  # Muon, node-sharded: matrices orthogonalized whole in the node first
+            ctx.node_matrices.orthogonalize(state, grad, count, proposal.coef, ctx.spec)
     started = None
     for k, (a, b) in enumerate(pieces):
         new = state

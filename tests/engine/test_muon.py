@@ -135,7 +135,6 @@ def test_muon_with_loco4_and_int4_deltas_resumes_bit_exact(tmp_path):
 @pytest.mark.parametrize("kw,fragment", [
     ({"strategy": "diloco"}, "optimizer='muon' with strategy 'diloco'"),
     ({"strategy": "onebit_adam"}, "optimizer='muon' with strategy 'onebit_adam'"),
-    ({"model_sharding": "node"}, "optimizer='muon' with model_sharding='node'"),
     # its matrices reach past a piece: the step goes into the whole spare
     ({"step_copy": "piece"}, "step_copy='piece' with optimizer='muon'"),
 ])
