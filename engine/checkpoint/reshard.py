@@ -16,6 +16,9 @@ tensors:
   rng_*         new rank r takes old rank r mod N's
   measured speeds are dropped (measured again)
 
+With optimizer='muon' the parameters' places in the buffer depend on the world size: every tensor is
+read in model order by the old placement and written at the new one (recut_matrices.py).
+
 A checkpoint between the rounds of a step, or one whose strategy refuses (``recut_refusal``: an
 ACCO kept half, an outer round in flight), cannot be re-cut: resume it at its own world size, or
 from a checkpoint at a step boundary (periodic checkpoints are).
@@ -31,24 +34,13 @@ import torch
 from acco_loco.registry import make_codec
 
 from ..core.rounds import RoundContext
+from .recut_matrices import ModelOrder, matrix_order
 
 log = logging.getLogger("acco_loco")
 
 
 class ReshardError(ValueError):
     pass
-
-
-def _repad(t: torch.Tensor, numel: int, padded: int, fill=0) -> torch.Tensor:
-    out = torch.full((padded,), fill, dtype=t.dtype)
-    out[:numel] = t[:numel]
-    return out
-
-
-def _recut(pieces: list[torch.Tensor], numel: int, padded: int, rank: int, world: int) -> torch.Tensor:
-    full = _repad(torch.cat(pieces), numel, padded)
-    shard = padded // world
-    return full[rank * shard:(rank + 1) * shard].clone()
 
 
 def _feedback_error(fb: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
@@ -59,22 +51,25 @@ def _feedback_error(fb: dict[str, torch.Tensor], group_size: int) -> torch.Tenso
     return codec.decode(fb["e_codes"], fb["e_scales"])
 
 
-def apply_rule(rule, key: str, old: list[dict[str, torch.Tensor]], numel: int, padded: int, rank: int,
+def apply_rule(rule, key: str, old: list[dict[str, torch.Tensor]], order: ModelOrder, shard: int, rank: int,
                world: int) -> tuple[torch.Tensor, str]:
-    """(this rank's tensor, how it was carried) for ``key`` under ``rule`` (a ``Recut``)."""
+    """(this rank's tensor, how it was carried) for ``key`` under ``rule`` (a ``Recut``): the old
+    tensors read in model order and placed in the new layout by ``order``; ``shard``: the new shard size."""
     n, pieces = len(old), [t[key] for t in old]
     if rule.rule == "shard":
-        return _recut(pieces, numel, padded, rank, world), "re-cut"
+        full = order.place(order.values(torch.cat(pieces)))
+        return full[rank * shard:(rank + 1) * shard].clone(), "re-cut"
     if rule.rule == "shared":
-        return _repad(pieces[0], numel, padded, rule.fill), "rank 0's"
+        return order.place(order.values(pieces[0]), rule.fill), "rank 0's"
     if rule.rule == "summed":
-        total = torch.stack([p[:numel].to(torch.float64) for p in pieces]).sum(0)
-        return _repad((total / world).to(pieces[0].dtype), numel, padded), f"sum over {n} spread over {world}"
+        total = torch.stack([order.values(p).to(torch.float64) for p in pieces]).sum(0)
+        return order.place((total / world).to(pieces[0].dtype)), f"sum over {n} spread over {world}"
     if rank < n:  # local
-        return _repad(pieces[rank], numel, padded, rule.fill), "own"
+        return order.place(order.values(pieces[rank]), rule.fill), "own"
     if rule.new_from is not None and rule.new_from in old[0]:
-        return _repad(old[0][rule.new_from], numel, padded, rule.fill), f"old rank 0's {rule.new_from} (new worker)"
-    return _repad(pieces[rank % n], numel, padded, rule.fill), f"old rank {rank % n}'s (new worker)"
+        return (order.place(order.values(old[0][rule.new_from]), rule.fill),
+                f"old rank 0's {rule.new_from} (new worker)")
+    return order.place(order.values(pieces[rank % n]), rule.fill), f"old rank {rank % n}'s (new worker)"
 
 
 def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
@@ -91,10 +86,6 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
     if meta0["numel"] != numel:
         raise ReshardError(f"{where} holds a model of {meta0['numel']} trainable values and this engine has "
                            f"{numel}: load it into the model it was saved from")
-    if getattr(flat, "matrices", None):
-        raise ReshardError(f"{where} was written by {n} workers and this run has {world}: with optimizer='muon' "
-                           "each rank owns whole matrices, placed for its world size (acco_loco/matrix_layout.py), "
-                           f"and re-cutting them for another is not built yet. Resume with {n} workers")
     step_in_progress = "it was taken between the rounds of a step" if meta0["round_index"] % \
         strategy.plan.rounds_per_step else None
     refused = step_in_progress or strategy.recut_refusal(meta0)
@@ -107,6 +98,9 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
         raise ReshardError(f"{where} was written by {n} workers and this run has {world}, under the two-level "
                            "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
                            f"with {n} workers in the same layout, or run both with topology='flat'")
+    # the old tensors read in model order, then placed for this run (Muon's whole matrices move: recut_matrices.py)
+    order = matrix_order(ctx, n, meta0["shard_size"], where) if getattr(flat, "matrices", None) \
+        else ModelOrder(numel, padded)
     carried: dict[str, str] = {}
     dropped: list[str] = []
     out: dict[str, torch.Tensor] = {}
@@ -130,14 +124,14 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
                                    f"another world size: resume with {n} workers")
             if rule.rule == "step":
                 raise ReshardError(f"{where} holds {key!r}, state of a step in progress: resume it with {n} workers")
-            out[key], carried[key] = apply_rule(rule, key, olds, numel, padded, rank, world)
+            out[key], carried[key] = apply_rule(rule, key, olds, order, flat.shard_size, rank, world)
 
     if any(k.startswith("feedback.") for k in old[0][0]):
         fresh = ctx.grads.state_dict(False)  # this engine's config (numel, group) and beta
         group = int(fresh["feedback.config"][4])
-        total = torch.stack([_feedback_error({k[9:]: v for k, v in t.items() if k.startswith("feedback.")},
-                                             group)[:numel].to(torch.float64) for t, _ in old]).sum(0)
-        spread = _repad((total / world).to(torch.float32), numel, padded)
+        total = torch.stack([order.values(_feedback_error({k[9:]: v for k, v in t.items() if k.startswith("feedback.")},
+                                                          group)).to(torch.float64) for t, _ in old]).sum(0)
+        spread = order.place((total / world).to(torch.float32))
         out["feedback.config"], out["feedback.beta"] = fresh["feedback.config"], fresh["feedback.beta"]
         if "feedback.e" in fresh:
             out["feedback.e"] = spread
@@ -178,6 +172,10 @@ def recut_rails(ctx: RoundContext, strategy, old: list[tuple[dict, dict]], where
         raise ReshardError(f"{where} was written by a model_sharding='node' run of {g_old} ranks per node and this "
                            f"run has {g}: the local shards are cut by the node's ranks, so only another number of "
                            f"nodes is re-cut. Resume with {g_old} ranks per node (LOCAL_WORLD_SIZE / ranks_per_node)")
+    if getattr(ctx.flat, "matrices", None):
+        raise ReshardError(f"{where}: with optimizer='muon' and model_sharding='node' each matrix's rows are spread "
+                           "over the node's ranks inside a chunk placed for the number of nodes; re-cutting them is "
+                           f"not built. Resume with {len(old) // g} nodes")
     rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
     view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
                            grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
