@@ -92,9 +92,12 @@ def test_node_sharded_muon_matches_the_reference_and_the_unsharded_run():
             continue
         want = Reference(matrices_model(), streams[k], k, opt="muon", lr=LR, weight_decay=0.1).run(strategy, STEPS)
         plain = runs[0][(name.split()[0], "none")]["snaps"]
-        for step in range(STEPS):
-            assert rel_err(got[0][step], want[step]) < 1e-5, (name, step)
-            assert rel_err(got[0][step], plain[step]) <= UNSHARDED_BOUND[k], (name, step)
+        to_reference = [rel_err(got[0][step], want[step]) for step in range(STEPS)]
+        to_unsharded = [rel_err(got[0][step], plain[step]) for step in range(STEPS)]
+        print(f"{name} (k={k}): largest relative difference over {STEPS} steps: {max(to_reference):.2e} to the "
+              f"float64 reference, {max(to_unsharded):.2e} to the unsharded two-level run")  # docs/acco_delay.md
+        assert max(to_reference) < 1e-5, (name, to_reference)
+        assert max(to_unsharded) <= UNSHARDED_BOUND[k], (name, to_unsharded)
     assert all(torch.equal(a, b) for a, b in zip(runs[0][("acco 3 pieces", "node")]["snaps"],
                                                  runs[0][("acco", "node")]["snaps"]))
     for rank, r in enumerate(runs):
@@ -102,6 +105,7 @@ def test_node_sharded_muon_matches_the_reference_and_the_unsharded_run():
         assert len(blocks) == 2 and sorted(owned_by) == [0, 1]  # each rank of the node owns a matrix
         extra = [a - b for a, b in zip(r[("zero1", "node")]["intra"], r[("zero1 adamw", "node")]["intra"])]
         assert extra == [_exchange_bytes(owned_by, blocks, rank % 2)] * STEPS, (rank, extra)
+        print(f"rank {rank}: owners {owned_by}, node-link bytes a zero1 step for the matrices: {extra[0]}")
 
 
 # topology 'auto': 1 node of 2 (the refused resume) has no two-level exchange
