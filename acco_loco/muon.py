@@ -7,7 +7,9 @@ takes AdamW's step, as Muon is used in practice. The Newton-Schulz iteration and
 learning-rate adjustment are torch's own (``torch.optim._muon``, torch >= 2.9), not rewritten.
 
 A matrix is stepped whole, so the sharded optimizer gives each owner whole matrices
-(acco_loco/matrix_layout.py). The state is the shard's: ``exp_avg`` holds Muon's momentum buffer
+(acco_loco/matrix_layout.py). Under model_sharding='node' a shard holds rows of matrices (MatrixRows):
+the momentum and the step stay on the rows, and only Newton-Schulz runs on the whole matrix, on
+one rank of the node (engine/parallel/node_matrices.py). The state is the shard's: ``exp_avg`` holds Muon's momentum buffer
 at a matrix's values and AdamW's first moment elsewhere; ``exp_avg_sq`` AdamW's second moment
 (unused, and left at 0, at a matrix's values)."""
 
