@@ -73,10 +73,10 @@ def apply_rule(rule, key: str, old: list[dict[str, torch.Tensor]], order: ModelO
 
 
 def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
-          where: str) -> tuple[dict, dict, dict]:
+          where: str, who: str = "workers") -> tuple[dict, dict, dict]:
     """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer;
     ``strategy`` and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a
-    report {carried, dropped} for the log."""
+    report {carried, dropped} for the log; ``who``: what the N are called in its messages (a rail's: nodes)."""
     if ctx.cfg.model_sharding != "none" or old[0][1].get("model_sharding", "none") != "none":
         return recut_rails(ctx, strategy, old, where)  # each rail's chunks re-cut as a flat run's shards
     n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
@@ -90,8 +90,8 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
         strategy.plan.rounds_per_step else None
     refused = step_in_progress or strategy.recut_refusal(meta0)
     if refused:
-        raise ReshardError(f"{where} cannot be re-cut for {world} workers: {refused} (round {meta0['round_index']}). "
-                           f"Resume it with {n} workers, or use a checkpoint at a step boundary (periodic "
+        raise ReshardError(f"{where} cannot be re-cut for {world} {who}: {refused} (round {meta0['round_index']}). "
+                           f"Resume it with {n} {who}, or use a checkpoint at a step boundary (periodic "
                            "checkpoints are)")
     if "two_level" in (meta0.get("topology", "flat"), topology):
         # its per-rank state (error feedback, 1-bit Adam's) covers a rail slice, not the buffer
@@ -152,7 +152,7 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
     if meta0.get("accumulation"):
         dropped.append("measured speeds (measured again)")
     if world < n:
-        dropped.append(f"workers {list(range(world, n))}'s own state"
+        dropped.append(f"{who} {list(range(world, n))}'s own state"
                        + (" (their local progress since the last outer round)" if strategy.plan.local_steps else ""))
     return out, meta, {"carried": carried, "dropped": dropped}
 
@@ -179,6 +179,6 @@ def recut_rails(ctx: RoundContext, strategy, old: list[tuple[dict, dict]], where
     rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
     view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
                            grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
-    tensors, meta, report = recut(view, strategy, "flat", rail, where)
+    tensors, meta, report = recut(view, strategy, "flat", rail, where, "nodes")
     meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
     return tensors, meta, report
