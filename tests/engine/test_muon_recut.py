@@ -10,7 +10,8 @@ micro-batches (GlobalBatches). ACCO's checkpoint holds a round's micro-batches c
 (the identity on every state tensor, checked, with the pending micro-batches dealt again). Checked: the re-cut master, Muon momentum and AdamW moments read in
 model order equal the saved ones value for value, and the continuation equals the reference:
 bit for bit at 1 worker (two micro-batches a step: a + b summed in the same order) and within 1e-6
-relative at 3 (six micro-batches summed over 3 workers instead of 2)."""
+relative at 3 (six micro-batches summed over 3 workers instead of 2). With LoCo-4 the re-cut
+keeps the sum of the workers' error feedback (in model order, up to one int8 rounding a worker)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ def _cfg(strategy: str, g: int, steps: int, **kw) -> EngineConfig:
 
 def _state(engine) -> dict:
     s = engine.shard_state
-    return {"master": s.master.clone(), "exp_avg": s.exp_avg.clone(), "exp_avg_sq": s.exp_avg_sq.clone(),
-            "offsets": list(engine.flat.offsets), "shard_size": engine.flat.shard_size}
+    out = {"master": s.master.clone(), "exp_avg": s.exp_avg.clone(), "exp_avg_sq": s.exp_avg_sq.clone(),
+           "offsets": list(engine.flat.offsets), "shard_size": engine.flat.shard_size}
+    feedback = getattr(engine.grads, "feedback", None)
+    if feedback is not None:  # this worker's LoCo error over the whole buffer, in this run's layout
+        full = feedback.error().reshape(-1)
+        out["feedback"] = torch.cat([full[a:b] for a, b in engine.flat.offsets])
+    return out
 
 
 def _save(rank: int, world: int, root: str, cases: dict):
@@ -104,6 +110,15 @@ def _check(saved: list[dict], resumed: list[dict], reference: list[dict], name: 
     assert _whole(old, "exp_avg").abs().sum() > 0
     for ref, own in zip(reference, old):  # the reference starts from the saved state itself
         assert all(torch.equal(ref[name]["loaded"][k], own[k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+    if "feedback" in old[0]:  # LoCo's error: the sum over the workers kept, one int8 rounding per new worker
+        before, after = sum(o["feedback"] for o in old), sum(n["feedback"] for n in new)
+        assert before.abs().max() > 0
+        assert (after - before).abs().max() <= before.abs().max() / 127 * len(new), (after - before).abs().max()
+        assert all(torch.equal(n["feedback"], new[0]["feedback"]) for n in new)  # spread evenly
+        # the compressed exchange's rounding depends on the world size: the continuation is
+        # checked for a finite run only (its exactness is the uncompressed cases')
+        assert all(torch.isfinite(r[name]["params"]).all() and r[name]["step"] == SAVED_AT + MORE for r in resumed)
+        return
     want = reference[0][name]["params"]
     print(f"{name} 2 -> {len(resumed)} workers: largest relative error against the reference "
           f"{max(rel_err(r[name]['params'], want) for r in resumed):.2e}")
@@ -117,7 +132,8 @@ def _check(saved: list[dict], resumed: list[dict], reference: list[dict], name: 
 
 
 CASES = {"zero1": ("zero1", 2, {}), "acco": ("acco", 4, {})}  # acco: two rounds of at least one per worker
-WIDE = {"zero1": ("zero1", 6, {}), "acco": ("acco", 6, {})}
+WIDE = {"zero1": ("zero1", 6, {}), "acco": ("acco", 6, {}),
+        "acco_loco4": ("acco", 6, {"codec": "loco4", "param_codec": "int8", "group_size": 8})}
 
 
 @pytest.mark.slow
