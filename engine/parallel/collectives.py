@@ -72,6 +72,10 @@ class PlainGrads:
         shard = self._output.get(full.numel() // comm.world_size, full.device, out)
         return Reduced(comm.reduce_scatter_sum(full, shard))  # the round checks the gradient itself
 
+    def drop_buffers(self) -> None:
+        """Free the kept output (its next ``reduce`` makes it again)."""
+        self._output = _Output()
+
     def begin_step(self) -> None:
         pass
 

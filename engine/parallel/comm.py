@@ -201,6 +201,11 @@ class Comm:
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
+    def drop_buffers(self) -> None:
+        """Free every kept buffer (a strategy whose later rounds no longer run the collectives that
+        kept them: 1-bit Adam after its freeze); ``buffer`` makes one again on its next use."""
+        self._buffers.clear()
+
     def all_to_all_start(self, recv: torch.Tensor, send: torch.Tensor):
         """Start sending row j of ``send`` ([world, L], contiguous) to rank j into ``recv``;
         returns the work to wait on (None at world size 1, where it is done)."""

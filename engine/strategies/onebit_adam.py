@@ -11,7 +11,9 @@ The freeze, in the round of the last warmup step: the momentum and the second mo
 all-gathered once (and the fp32 master, unless the parameters every replica holds already are
 it), so every worker holds them whole: each worker applies the averaged momentum itself, which is
 what lets both directions travel at 1 bit a value (a sharded variance would need the parameters
-all-gathered every step instead).
+all-gathered every step instead). The second moment is frozen, so it is kept as the denominator
+it gives (formed once, in its place), and the warmup's reducer and gatherer buffers are freed:
+no round runs those collectives again.
 
 Compressed stage, one synchronous round per step:
 
@@ -22,7 +24,9 @@ Compressed stage, one synchronous round per step:
 
 Every replica decodes the same bytes and runs the same update, so replicas stay bit-identical.
 A step whose new parameters are not finite installs nothing (the new momentum, errors and
-master are kept apart until then).
+master are kept apart until then, in kept buffers the state swaps with). The encodes and decodes
+take a piece of whole groups at a time (acco_loco/onebit.py ``PIECE``): the round's temporaries
+are the 1-bit rows and a piece's.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class CompressedState:
     """What the compressed stage keeps per worker (full size unless said)."""
 
     momentum: torch.Tensor  # m, the same on every replica after every step
-    variance: torch.Tensor  # v frozen at the freeze
+    denominator: torch.Tensor  # d = sqrt(v_T) / sqrt(1 - beta2^T) + eps, formed once at the freeze
     mask: torch.Tensor  # bool: v == 0 at the freeze (never had a gradient; padding)
     worker_error: torch.Tensor  # e_w
     server_error: torch.Tensor  # e_s, this worker's shard only
@@ -74,7 +78,7 @@ class CompressedState:
     frozen_step: int  # T, the AdamW steps behind v
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"momentum": self.momentum, "variance": self.variance, "mask": self.mask,
+        out = {"momentum": self.momentum, "denominator": self.denominator, "mask": self.mask,
                "worker_error": self.worker_error, "server_error": self.server_error}
         if self.master is not None:
             out["master"] = self.master
@@ -91,21 +95,26 @@ class OnebitAdam(ShardedStrategy):
     gathered_is_state = True  # the compressed stage's parameters (often its master) live in ctx.gather_buf
     whole_matrices_refused = "its compressed stage is 1-bit Adam's own update, not the shard optimizer's"
     offload_refused = "its compressed stage keeps whole-buffer state on the device and steps it itself"
-    # the server error is each owner's; momentum, the frozen variance and mask every replica's alike
+    # the server error is each owner's; momentum, the frozen denominator and mask every replica's
+    # alike (onebit.variance: v_T, as checkpoints written before the denominator was kept hold it)
     recut_rules = {**ShardedStrategy.recut_rules, "onebit.server_error": Recut("shard"),
-                   "onebit.momentum": Recut("shared"), "onebit.variance": Recut("shared"),
+                   "onebit.momentum": Recut("shared"), "onebit.denominator": Recut("shared"),
+                   "onebit.variance": Recut("shared"),
                    "onebit.mask": Recut("shared", fill=True), "onebit.master": Recut("shared"),
                    "onebit.worker_error": Recut("summed")}
     sections = ("onebit",)  # its settings: engine/strategies/onebit_config.py
     plan = RoundPlan("onebit_adam", overlap=False, kinds=(RoundKind.COMMIT,))
+    piece = onebit.PIECE  # values the round's encodes and decodes take at a time (a test may shorten it)
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.codec = WIRE_CODECS["sign1"](cfg.group_size, cfg.scale_dtype)
         self.norms: list[float] = []  # the variance rule's L1 norms, newest last
         self.state: CompressedState | None = None  # None while in warmup
-        self._buf: torch.Tensor | None = None  # u_w, then h_w, then the decoded m (fp32, full)
-        self._new_master: torch.Tensor | None = None
+        # the round's kept buffers (fp32): u_w, then h_w, then the decoded m (full); the proposed
+        # master, worker error (full) and server error (a shard), which the state swaps with
+        self._buf: torch.Tensor | None = None
+        self._new_master = self._new_error = self._new_server_error = None
 
     @classmethod
     def from_config(cls, cfg) -> "OnebitAdam":
@@ -113,7 +122,8 @@ class OnebitAdam(ShardedStrategy):
 
     @classmethod
     def spec(cls) -> StrategySpec:  # after the warmup; the warmup runs zero1's rounds
-        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("whole"), round_parts=_spec_parts,
+        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("whole", piece=cls.piece),
+                            round_parts=_spec_parts,
                             work=lambda numel, slice_, shard, mode: {"onebit_s_per_param": numel,
                                                                      "codec_s_per_param": 2 * slice_},
                             warmup_as="zero1")
@@ -171,10 +181,14 @@ class OnebitAdam(ShardedStrategy):
         keep = (lambda t: t) if nodes is None else (lambda t: slice_of(t, nodes.layout))
         momentum, variance = keep(whole(shard.exp_avg)), keep(whole(shard.exp_avg_sq))
         master = None if self._params_are_master(ctx) else keep(whole(shard.master))
-        self.state = CompressedState(momentum, variance, onebit.unused_mask(variance), torch.zeros_like(momentum),
+        mask = onebit.unused_mask(variance)
+        # v_T is only ever read through d: d in its place, once (the same ops every step would repeat)
+        denominator = onebit.frozen_denominator(variance, shard.step, ctx.spec, out=variance)
+        self.state = CompressedState(momentum, denominator, mask, torch.zeros_like(momentum),
                                      torch.zeros_like(shard.exp_avg), master, shard.step)
         self.norms = []
         self._bind_shard(ctx, shard.step)
+        _drop_warmup_buffers(ctx)
 
     def _params_are_master(self, ctx: RoundContext) -> bool:
         """fp32 compute with an fp32 parameter gather: what every replica holds is the master."""
@@ -182,13 +196,14 @@ class OnebitAdam(ShardedStrategy):
 
     def _bind_shard(self, ctx: RoundContext, step: int) -> None:
         """The shard state (the same object) becomes views of the whole tensors (no second copy;
-        its spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful."""
+        its spare is dropped), so the checkpoint's opt.* and engine.shard_state stay meaningful
+        (its exp_avg_sq: the frozen denominator's shard)."""
         st, size, nodes, rail = self.state, ctx.flat.shard_size, _nodes_of(ctx), _rail_of(ctx)
         lo = (ctx.comm if rail is None else rail).rank * size  # in a whole tensor (a local buffer);
         # in a slice, the shard is the node's chunk
         at = lo if nodes is None else nodes.layout.node * size
         master = st.master[at:at + size] if st.master is not None else ctx.gather_buf[lo:lo + size]
-        ctx.shard_state.rebind(master, st.momentum[at:at + size], st.variance[at:at + size], step)
+        ctx.shard_state.rebind(master, st.momentum[at:at + size], st.denominator[at:at + size], step)
 
     # ------------------------------------------------------------------ compressed stage
     def _compressed_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
@@ -203,7 +218,8 @@ class OnebitAdam(ShardedStrategy):
         numel = full.numel() if nodes is None else full.numel() // nodes.layout.ranks_per_node
         if self._buf is None or self._buf.numel() != numel:
             self._buf = torch.empty(numel, dtype=torch.float32, device=full.device)
-            self._new_master = torch.empty_like(self._buf)
+            self._new_master, self._new_error = torch.empty_like(self._buf), torch.empty_like(self._buf)
+            self._new_server_error = torch.empty(numel // n, dtype=torch.float32, device=full.device)
         if nodes is not None:
             grad = self._buf.copy_(nodes.node_sum(full))  # the node's sum of this rank's slice
         else:
@@ -240,16 +256,17 @@ class OnebitAdam(ShardedStrategy):
         lo, hi = comm.rank * size, (comm.rank + 1) * size  # this rank's shard in what it keeps
         t = time.perf_counter()
         h = onebit.worker_message(st.momentum, self._buf, st.worker_error, spec.betas[0])
-        payload, scales, worker_error = onebit.compress_with_error(h, codec, st.mask)
-        received = comm.all_to_all_rows(onebit.split_rows(payload, scales, n))
-        mine = onebit.server_average(received, codec, size).add_(st.server_error)
-        payload, scales, server_error = onebit.compress_with_error(mine, codec, st.mask[lo:hi])
+        rows = torch.empty((n, codec.wire_bytes(size)), dtype=torch.uint8, device=h.device)
+        onebit.encode_rows(h, codec, st.mask, rows, self._new_error, self.piece)  # the new e_w, kept apart
+        received = comm.all_to_all_rows(rows)
+        own = torch.empty(rows.shape[1], dtype=torch.uint8, device=h.device)
+        onebit.server_round(received, codec, st.server_error, st.mask[lo:hi], own, self._new_server_error, self.piece)
+        del received
         phases["reduce_scatter"] = (t, time.perf_counter())
 
         t = time.perf_counter()
-        row = onebit.split_rows(payload, scales, 1).view(-1)
-        gathered = comm.all_gather(row, torch.empty(n * row.numel(), dtype=torch.uint8, device=row.device))
-        momentum = onebit.decode_rows(gathered.view(n, -1), codec, size, st.mask, out=self._buf)
+        gathered = comm.all_gather(own, rows.view(-1))  # the sent rows are free: every owner's row into them
+        momentum = onebit.decode_rows(gathered.view(n, -1), codec, size, st.mask, out=self._buf, piece=self.piece)
         phases["all_gather"] = (t, time.perf_counter())
 
         t = time.perf_counter()
@@ -258,8 +275,7 @@ class OnebitAdam(ShardedStrategy):
             master = st.master
         else:
             master = ctx.gather_buf if nodes is None else slice_of(ctx.gather_buf, nodes.layout)
-        denominator = onebit.frozen_denominator(st.variance, st.frozen_step, spec)
-        new = onebit.apply_update(master, momentum, denominator, st.mask, lr, step, spec, out=self._new_master)
+        new = onebit.apply_update(master, momentum, st.denominator, st.mask, lr, step, spec, out=self._new_master)
         bad = nonfinite_flag(new)
         if nodes is not None:  # the node's ranks decide alike on the whole update
             bad = nodes.node.all_reduce_sum(bad.reshape(1))[0]
@@ -268,7 +284,8 @@ class OnebitAdam(ShardedStrategy):
         finite = not bool(to_host(bad))  # the same bytes on every replica: the same verdict
         if finite:
             st.momentum, self._buf = momentum, st.momentum  # the old momentum is the next round's buffer
-            st.worker_error, st.server_error = worker_error, server_error
+            st.worker_error, self._new_error = self._new_error, st.worker_error
+            st.server_error, self._new_server_error = self._new_server_error, st.server_error
             if st.master is not None:
                 st.master, self._new_master = new, st.master
             if nodes is None:
@@ -304,13 +321,26 @@ class OnebitAdam(ShardedStrategy):
             return
         dev = ctx.gather_buf.device
         got = {k[len("onebit."):]: v.to(dev).clone() for k, v in tensors.items() if k.startswith("onebit.")}
+        if "variance" in got:  # written before the denominator was kept: form it as the freeze does
+            got["denominator"] = onebit.frozen_denominator(got.pop("variance"), saved["frozen_step"], ctx.spec)
         if ("master" in got) == self._params_are_master(ctx):
             raise ValueError("the checkpoint's 1-bit Adam state does not match this run's compute dtype and "
                              "param_codec (a separate fp32 master is kept unless both are fp32): resume with "
                              "the checkpoint's settings")
-        self.state = CompressedState(got["momentum"], got["variance"], got["mask"], got["worker_error"],
+        self.state = CompressedState(got["momentum"], got["denominator"], got["mask"], got["worker_error"],
                                      got["server_error"], got.get("master"), saved["frozen_step"])
         self._bind_shard(ctx, meta["opt_step"])
+
+
+def _drop_warmup_buffers(ctx: RoundContext) -> None:
+    """Free the warmup's reducer output and the send, receive and cast buffers its collectives keep
+    (the engine's Comms of the comm thread): the compressed rounds never run those collectives
+    again; a buffer one of its own collectives takes (a two-level node sum) is made again on first use."""
+    grads = getattr(ctx.grads, "inner", ctx.grads)  # the flat reducer, which two-level and node sharding wrap
+    grads.drop_buffers()
+    comms = [ctx.comm, getattr(ctx.grads, "node", None), getattr(ctx.grads, "rail", None)]
+    for comm in {id(c): c for c in comms if c is not None}.values():
+        comm.drop_buffers()
 
 
 def compressed_step_parts(padded: int, world: int, group_size: int = 128, scale_dtype: str = "float32") -> dict:

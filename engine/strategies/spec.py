@@ -91,12 +91,16 @@ class MemorySpec:
       copy and gradient buffers whole (or, with model sharding, 1/G of them);
     - ``whole``: the compressed stage keeps full-size fp32 state on every rank (1-bit Adam's);
     - ``local``: every replica steps its own copy (inner AdamW and the outer round's buffers);
-    - ``replicated``: every rank keeps an fp32 copy of everything and steps it itself.
+    - ``replicated``: every rank keeps an fp32 copy of everything and steps it itself;
+    - ``replica``: every replica keeps its own parameters and steps them with stateless SGD.
 
-    ``kept_shards``: fp32 shard-sized buffers the strategy keeps between rounds of a step."""
+    ``kept_shards``: fp32 shard-sized buffers the strategy keeps between rounds of a step.
+    ``piece``: values a round's encodes and decodes take at a time, its temporaries' length ('whole';
+    0: whole buffers)."""
 
     state: str
     kept_shards: int = 0
+    piece: int = 0
 
 
 @dataclass(frozen=True)
