@@ -49,6 +49,9 @@ class NodeMatrices:
 
     def __init__(self, matrices: list[tuple[int, int, int, int]], comm: Comm, g: int, local: int):
         self.comm, self.g, self.local = comm, g, local
+        if comm.world_size != g or comm.rank != local:
+            raise RuntimeError(f"the node group has this rank at {comm.rank} of {comm.world_size}, the layout at local "
+                               f"rank {local} of {g}: the exchange sends local rank j's rows to group rank j")
         self.rows_of = [[chunk_rows(whole, g, j) for j in range(g)] for _, _, _, whole in matrices]
         for (start, rows, _, whole), cut in zip(matrices, self.rows_of):
             if cut[local] != rows:
