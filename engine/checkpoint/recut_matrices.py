@@ -59,16 +59,10 @@ class MatrixOrder(ModelOrder):
         return out
 
 
-def matrix_order(ctx, old_world: int, old_shard_size: int, where: str) -> MatrixOrder:
-    """The old and new placements of ``ctx.flat``'s parameters (the old one rebuilt as the old run
-    built it: the same parameters, whole flags and shard unit, ``old_world`` shards), checked
-    against the shard size the checkpoint recorded."""
+def matrix_order(ctx, old_world: int) -> MatrixOrder:
+    """The old and new placements of ``ctx.flat``'s parameters, the old one rebuilt as the old run
+    built it: the same parameters, whole flags and shard unit, ``old_world`` shards (the caller
+    checks its ``old_shard_size`` against the one the checkpoint recorded)."""
     from ..strategies import shard_groups  # the unit engine/core/context.py cuts the buffer by
-    from .reshard import ReshardError
 
-    order = MatrixOrder(ctx.flat, old_world, math.lcm(ctx.cfg.align, *shard_groups(ctx.cfg)))
-    if order.old_shard_size != old_shard_size:
-        raise ReshardError(f"{where} holds shards of {old_shard_size} values, but placing this model's matrices "
-                           f"for its {old_world} workers gives {order.old_shard_size}: it was written with another "
-                           "model, align or codec group. Resume with the model and configuration it was saved with")
-    return order
+    return MatrixOrder(ctx.flat, old_world, math.lcm(ctx.cfg.align, *shard_groups(ctx.cfg)))

@@ -99,8 +99,11 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
                            "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
                            f"with {n} workers in the same layout, or run both with topology='flat'")
     # the old tensors read in model order, then placed for this run (Muon's whole matrices move: recut_matrices.py)
-    order = matrix_order(ctx, n, meta0["shard_size"], where) if getattr(flat, "matrices", None) \
-        else ModelOrder(numel, padded)
+    order = matrix_order(ctx, n) if getattr(flat, "matrices", None) else ModelOrder(numel, padded)
+    if getattr(order, "old_shard_size", meta0["shard_size"]) != meta0["shard_size"]:
+        raise ReshardError(f"{where} holds shards of {meta0['shard_size']} values, but placing this model's matrices "
+                           f"for its {n} workers gives {order.old_shard_size}: it was written with another model, "
+                           "align or codec group. Resume with the model and configuration it was saved with")
     carried: dict[str, str] = {}
     dropped: list[str] = []
     out: dict[str, torch.Tensor] = {}

@@ -156,3 +156,45 @@ def test_muon_checkpoint_of_2_workers_resumes_at_3(tmp_path):
     three = spawn(_resume, 3, root, WIDE, timeout=300)
     for name in WIDE:
         _check(saved, three, reference, name, 1e-6)
+
+
+# ---------------------------------------------------------------- the relayout alone, one process
+def _flat_at(world: int):
+    from engine.core.flat import FlatParams
+
+    named = list(three_layers().named_parameters())  # Muon's matrices: the 2-D weights
+    return FlatParams([p for _, p in named], [n for n, _ in named], world, 8, torch.float32,
+                      whole=[p.ndim == 2 for _, p in named])
+
+
+def test_matrix_order_reads_the_old_placement_and_writes_the_new():
+    from types import SimpleNamespace
+
+    from engine.checkpoint.recut_matrices import matrix_order
+
+    old, new = _flat_at(2), _flat_at(3)
+    assert old.offsets != new.offsets
+    values = torch.arange(1, old.numel + 1, dtype=torch.float32)  # each value its own model-order index
+    ctx = SimpleNamespace(flat=new, cfg=EngineConfig(optimizer="muon", align=8))
+    order = matrix_order(ctx, 2)
+    assert order.old_shard_size == old.shard_size
+    assert torch.equal(order.values(old.spread(values)), values)
+    assert torch.equal(order.place(values), new.spread(values))
+    padding = [i for i in range(new.padded) if not any(a <= i < b for a, b in new.offsets)]
+    assert torch.equal(order.place(values, fill=-1)[padding], torch.full((len(padding),), -1.0))  # the rule's fill
+
+
+def test_a_checkpoint_whose_shards_the_placement_does_not_give_is_refused():
+    from types import SimpleNamespace
+
+    from engine.checkpoint.reshard import ReshardError, recut
+    from engine.strategies import strategy_class
+
+    new = _flat_at(1)
+    ctx = SimpleNamespace(flat=new, comm=SimpleNamespace(rank=0, world_size=1),
+                          cfg=EngineConfig(optimizer="muon", align=8))
+    meta = {"numel": new.numel, "shard_size": 100, "round_index": 3, "topology": "flat"}  # the placement: 144
+    old = [({"opt.master": torch.zeros(100)}, {**meta, "rank": r}) for r in range(2)]
+    with pytest.raises(ReshardError, match="holds shards of 100 values, but placing this model's matrices for its "
+                                           "2 workers gives 144"):
+        recut(ctx, strategy_class("zero1"), "flat", old, "the checkpoint")
