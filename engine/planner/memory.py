@@ -50,9 +50,16 @@ optimizer, g = codec group, G = ranks per node:
                       kept shard with N = G x M (step_copy 'piece': 12/N and the scratch), the
                       codec's error on the 1/G, the rail's buffers;
                       plus FSDP2's unsharded block (the one in use and the one prefetched), 2 e P/L
-    whole             37 + 4/N fp32, 33 + 4/N bf16 with bf16 gradient buffers, 2 (e_g - e) more with
-                      fp32 ones (after the freeze: m, v_T, e_w whole); model sharded over the node: all
-                      but the 4/N of it over G, one gradient buffer, and FSDP2's blocks
+    whole             the compressed stage after the variance is frozen, on the V values a worker keeps
+                      (P flat; its P/G slice two-level or its local shards under node sharding) and
+                      its shard of them, V/W (W workers: the ranks flat, the nodes else): compute
+                      parameters and their gathered copy 2e (FSDP2's local shards: e V and its blocks),
+                      gradient buffers 2e_g (node sharded: one, e V), and ``whole_state``: momentum,
+                      frozen denominator and worker error 12, the mask 1, the round's kept buffers 12
+                      (the message/decoded momentum, the proposed master and worker error), an fp32
+                      master 4 unless the parameters are it (e = 4), server error and its proposal
+                      8/W; a round's temporaries: 2 + 1/W sets of 1-bit rows ((1/8 + s/g) V each) and
+                      WHOLE_PIECE_TEMP per value of a piece, min(V/W, the spec's ``piece``)
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
@@ -61,6 +68,9 @@ optimizer, g = codec group, G = ranks per node:
                       the inner state on the CPU too (optimizer_offload='cpu'): 2e/G on the device,
                       12/G of the inner state and its gradient's host copy in piece slots in host memory
                       (a flat replica's: 4, whole: its norm is taken on the host)
+    replica           e + e + 2e_g + 8/N flat (parameters, the replica's own copy, two gradient buffers, the
+                      engine's unread SGD shard state) and the step's e temporary; under node sharding
+                      on the local shards, one gradient buffer, 8/M (``replica``)
 Frozen parameters: e each (a copy in the compute dtype); 1/G of that under node sharding."""
 
 from __future__ import annotations
@@ -275,16 +285,33 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
                   held["error_feedback"], held["comm"] + held["temporaries"], held.get("host", 0.0))
 
 
+# a frozen-variance round's largest temporaries per value of a piece, the owner's (measured on the torch
+# path by tests/engine/test_memory_accounting_local.py: 10.16 at 2 x 2 fp32 and 1 x 4 bf16): its fp32 sum of
+# the received rows 4, the sign x RMS encode's codes and their packing 2.16 and its decoded values 4
+WHOLE_PIECE_TEMP = 10.16
+
+
+def whole_state(spec: MemorySpec, values: float, workers: int, ws: WireSettings) -> tuple[float, float]:
+    """(state, a round's largest temporaries) of the compressed stage after the freeze, bytes for a
+    worker that keeps ``values`` values, one of ``workers`` (engine/strategies' frozen-variance mode:
+    its state whole, its shard's server error)."""
+    v, w = values, workers
+    state = 12 * v + v + 12 * v + (0 if ws.compute_bytes == 4 else 4 * v) + 8 * v / w
+    row = 1 / 8 + (4 if ws.scale_dtype == "float32" else 2) / ws.group_size  # 1-bit codes and group scales
+    piece = min(v / w, spec.piece) if spec.piece else v / w
+    return state, (2 + 1 / w) * row * v + WHOLE_PIECE_TEMP * piece
+
+
 def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
-    e, n = ws.compute_bytes, layout.world
+    e, g = ws.compute_bytes, layout.ranks_per_node
     pt, frozen = shape.trainable, shape.params - shape.trainable
-    per = (37 if e == 4 else 33) + 4 / n
-    if mode.sharding == "node":  # the same state on the rank's local shards, 1/G (a formula: not yet held
-        # against the runtime's accounting): e/G parameters, e/G gathered, one e/G gradient buffer, FSDP2's blocks
-        g = layout.ranks_per_node
-        return Memory(2 * e * pt / g + e * frozen / g + fsdp_block_bytes(shape, e), e * pt / g, 0.0,
-                      (per - 4 / n - 4 * e) * pt / g + 4 * pt / n)
-    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, (per - 4 * e) * pt)
+    if mode.exchange == "two-level":  # a node is one worker; each rank keeps its 1/G of the state
+        state, temps = whole_state(spec, pt / g, layout.nodes, ws)
+    else:
+        state, temps = whole_state(spec, pt, layout.world, ws)
+    if mode.sharding == "node":  # e/G parameters, e/G gathered, one e/G gradient buffer, FSDP2's blocks
+        return Memory(2 * e * pt / g + e * frozen / g + fsdp_block_bytes(shape, e), e * pt / g, 0.0, state, temps)
+    return Memory(2 * e * pt + e * frozen, 2 * ws.grad_bytes(mode) * pt, 0.0, state, temps)
 
 
 # an outer round's temporaries per value of the outer state, by the round's kind (its spec's
@@ -380,7 +407,30 @@ def local_node_sharded(mode: Mode, shape: ModelShape, layout: Layout, ws: WireSe
     return Memory(e * v + e * frozen + fsdp_block_bytes(shape, e), e * v, inner, outer, temps, host)
 
 
-FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local}
+def replica(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
+    """Every replica steps its own parameters with stateless SGD and averages them every few steps:
+    per rank, on the V values it steps (P flat; its FSDP2 local shards, P/G, under node sharding), the
+    compute parameters e V (FSDP2's blocks besides) and the replica's own copy e V, the gradient
+    buffers (one of e V under node sharding; two flat), the step's temporary e V (the gradient over
+    its count), and the engine's shard optimizer state, which the mode never reads: an SGD master and
+    momentum buffer of the owned shard, 8 V/W (W ranks share V: the rail's M, or N flat). With the
+    copy in host memory (optimizer_offload='cpu', engine/runtime/offload.py ``HostParams``) its e V,
+    the gradient's host piece and the step's piece, e min(V, OFFLOAD_PIECE) each, are host bytes
+    (NCCL's device piece of the average, as long, is left out as piece-sized)."""
+    e, g = ws.compute_bytes, layout.ranks_per_node
+    if mode.sharding == "node":
+        v, frozen, owners = shape.trainable / g, (shape.params - shape.trainable) / g, layout.nodes
+        params, grads = e * v + e * frozen + fsdp_block_bytes(shape, e), e * v
+    else:
+        v, frozen, owners = shape.trainable, shape.params - shape.trainable, layout.world
+        params, grads = e * v + e * frozen, 2 * ws.grad_bytes(mode) * v
+    unread = 8 * v / owners
+    if mode.offload == "cpu":
+        return Memory(params, grads, unread, 0.0, 0.0, host=e * v + 2 * e * min(v, OFFLOAD_PIECE))
+    return Memory(params + e * v, grads, unread, 0.0, e * v)
+
+
+FORMULAS = {"replicated": replicated, "sharded": sharded, "whole": whole, "local": local, "replica": replica}
 REFERENCE = MemorySpec("replicated")  # torch DDP, the planner's reference
 
 

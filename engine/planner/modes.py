@@ -126,6 +126,7 @@ def candidates(two_level: bool = True, node_sharding: bool | None = None, offloa
         out += variants
         if two_level and cls.two_level:
             two += [replace(m, exchange="two-level") for m in variants]
+        if two_level:  # model sharding over the node runs the two-level layout, whatever the strategy's exchange
             if node_sharding and cls.node_sharding_refused is None:
                 sharded += [replace(m, exchange="two-level", sharding="node") for m in variants]
                 if offload and getattr(cls, "offload_refused", "no") is None:

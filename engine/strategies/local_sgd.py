@@ -25,6 +25,15 @@ from ..core.rounds import RoundContext, RoundRequest, RoundResult
 from ..runtime.host import nonfinite_flag, small_vector, to_host
 from ..runtime.offload import OFFLOAD_PIECE, HostParams
 from .base import Recut, Strategy
+from .spec import ALIGN, MemorySpec, StrategySpec, padded, small_bytes
+
+
+def spec_round_parts(numel: int, world: int, mode, ws) -> dict:
+    """One step's bytes per rank, averaged over the period: the parameters' ring all-reduce in the
+    compute dtype every PERIOD steps (its reduce-scatter and all-gather halves, (N-1)/N of the
+    padded buffer each), and the step's small all-reduce of 3 + 3N float64 values."""
+    half = (world - 1) * (padded(numel, world, ALIGN) // world) * ws.compute_bytes / LocalSGD.period
+    return {"all_to_all": half, "all_gather": half, "small": small_bytes(world, 3 + 3 * world)}
 
 
 class LocalSGD(Strategy):
@@ -37,6 +46,14 @@ class LocalSGD(Strategy):
     offload_refused = None  # its state, the replica's parameters, may live in host memory
     offload: HostParams | None = None
     recut_rules = {**Strategy.recut_rules, "local_params": Recut("local", new_from="local_params")}
+
+    @classmethod
+    def spec(cls) -> StrategySpec:
+        # a round every step, its average's bytes spread over the period (its H is fixed, not the
+        # planner's inner_steps); its memory: every replica's own parameters, no optimizer state of its
+        # own. Its step priced as the shard optimizer's per value it steps (plain SGD reads and writes less)
+        return StrategySpec(rounds=1, overlap=False, memory=MemorySpec("replica"), round_parts=spec_round_parts,
+                            work=lambda numel, slice_, shard, mode: {"shard_opt_s_per_param": slice_})
 
     @classmethod
     def check(cls, cfg) -> None:
