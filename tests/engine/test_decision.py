@@ -80,16 +80,23 @@ def test_no_projection_row_recommends_a_mode_without_its_own_measured_rows():
                 assert "B = 1024" in plan.why or not plan.choice.loss.beyond  # the run's B beside its evidence
 
 
-def test_codecs_on_the_two_level_exchange_are_not_measured_and_never_chosen():
-    # no benchmark or grid run has a codec on the two-level exchange (its update differs from the
-    # flat runs'): shown "not measured", never taken
-    for m in (Mode("zero1", "loco4", "int8", exchange="two-level"), Mode("zero1", "loco4", "int4", exchange="two-level"),
-              Mode("acco", "loco4", "int4", exchange="two-level")):
-        est = estimate(m, RESULTS, 1024, None)
-        assert not est.measured and est.not_measured().startswith("not measured"), est
-    plan = make_plan(PRESETS["8b"], Layout(8, 8), gpu(1, mfu=MFU), Batch(1024, 1), BF16, results=RESULTS)
-    assert plan.choice is not None and plan.choice.mode.codec == "none", plan.why
-    assert "not measured" in plan.why  # the faster unmeasured modes are named with the reason
+def test_codecs_on_the_two_level_exchange_stand_on_their_own_rows_only():
+    # a gradient codec on the two-level exchange compresses the node's sum, not each rank's gradient:
+    # its figure comes from the grid's 2 nodes x 2 ranks points (loss_grid/*_2x2.json), never from
+    # the flat runs', and the flat mode never reads the 2 x 2 points
+    for codec, deltas in (("loco4", "int8"), ("loco4", "int4")):
+        for strategy in ("zero1", "acco"):
+            two = estimate(Mode(strategy, codec, deltas, exchange="two-level"), RESULTS, 1024, None)
+            flat = estimate(Mode(strategy, codec, deltas), RESULTS, 1024, None)
+            assert two.measured and two.basis, two
+            assert all(p.source.endswith("_2x2.json") and p.key.endswith("|two-level") for p in two.basis), two
+            assert flat.measured and not any(p.source.endswith("_2x2.json") for p in flat.basis), flat
+    # the 2 x 2 points reach B = 256 only: a run below it takes the B = 256 figure and says so
+    small = estimate(Mode("zero1", "loco4", "int4", exchange="two-level"), RESULTS, 16, 3072)
+    assert small.beyond.startswith("beyond the evidence: evidence starts at B = ")
+    plan = make_plan(PRESETS["70b"], Layout(8, 8), gpu(10, mfu=MFU), Batch(1024, 1), BF16, results=RESULTS)
+    assert plan.choice is not None and plan.choice.mode.codec == "loco4", plan.why
+    assert all(p.source.endswith("_2x2.json") for p in plan.choice.loss.basis), plan.why
 
 
 def test_the_benchmarks_names_map_to_what_they_run():
@@ -227,11 +234,11 @@ def test_the_planner_cli_takes_the_goal_and_prints_the_evidence(tmp_path, capsys
     assert main(args + ["--goal", "time_to_loss", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Recommended: Goal: reach AdamW's loss soonest" in text
-    assert "evidence reaches B = 96, length 3072 samples; the 70.6B run at B = 1024 is beyond it" in text
+    assert "evidence reaches B = 256, length 3072 samples; the 70.6B run at B = 1024 is beyond it" in text
     doc = json.loads(out.read_text())
     assert doc["goal"] == {"kind": "time_to_loss", "loss_bound_pct": 0.5, "optimizer": "adamw"}
     rec = next(r for r in doc["rows"] if r["mode"] == doc["recommended"])
-    assert rec["samples_to_adamw_loss"] is not None and rec["loss_evidence"].startswith("B 96")
+    assert rec["samples_to_adamw_loss"] is not None and rec["loss_evidence"].startswith("B 256")
     assert any(r["loss_not_measured"].startswith("not measured") for r in doc["rows"])
     with pytest.raises(SystemExit, match="percentage"):
         main(args + ["--loss-bound", "-1"])
