@@ -164,9 +164,14 @@ def muon(args) -> dict:
     rows = {}
     for strategy in a:
         err = float(rel_err(a[strategy], _reference(2, strategy)))
+        # as far from AdamW's reference as the test requires (> 1e-2): a miss of the tolerance by
+        # rounding (torch's Newton-Schulz runs in bf16, the device's matmuls add in another order)
+        # is told apart from another algorithm
+        adamw = float(rel_err(a[strategy], _reference(2, strategy, opt="adamw")))
         rows[strategy] = {"replicas_equal": torch.equal(a[strategy], b[strategy]), "rel_err_vs_float64": err,
-                          "within_tolerance": err < MUON_TOLERANCE}
-    return {"ok": all(r["replicas_equal"] and r["within_tolerance"] for r in rows.values()), "world": 2,
+                          "within_tolerance": err < MUON_TOLERANCE, "rel_err_vs_adamw_reference": adamw}
+    return {"ok": all(r["replicas_equal"] and r["within_tolerance"] and r["rel_err_vs_adamw_reference"] > 1e-2
+                      for r in rows.values()), "world": 2,
             "tolerance": MUON_TOLERANCE, "strategies": rows, "model": "tests/tiny.py tiny_model (6-16-3 MLP)"}
 
 
