@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from benchmarks.gpu_parts import _mlp, _mse
+from benchmarks.gpu_parts import _flat, _mlp, _mse
 
 
 def device_of(args) -> torch.device:
@@ -31,10 +31,6 @@ def _gloo() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
-
-
-def _cpu_flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
 
 
 def _peak_reset(device: torch.device) -> int:
@@ -83,7 +79,7 @@ def _replicas_worker(rank: int, world: int, device: str, width: int, depth: int)
         engine = Engine(model, cfg, _mse)
         history = engine.fit(iter(random_stream(rank, 4 * REPLICA_STEPS + 8, width, width)))
         engine.close()
-        out[name] = {"params": _cpu_flat(model), "steps": len(history), "losses": [h["loss"] for h in history]}
+        out[name] = {"params": _flat(model), "steps": len(history), "losses": [h["loss"] for h in history]}
     return out
 
 
@@ -119,7 +115,7 @@ def replicas(args) -> dict:
         pa, pb = a[name]["params"], b[name]["params"]
         rows[name] = {"replicas_equal": torch.equal(pa, pb), "finite": bool(torch.isfinite(pa).all()),
                       "steps": a[name]["steps"], "max_abs_diff": float((pa - pb).abs().max()),
-                      "moved": not torch.equal(pa, _cpu_flat(_mlp(width, depth))), "losses": a[name]["losses"]}
+                      "moved": not torch.equal(pa, _flat(_mlp(width, depth))), "losses": a[name]["losses"]}
     sums = _segment_sums_repeat(dev, 1 << (12 if args.small else 22))
     ok = (all(r["replicas_equal"] and r["finite"] and r["moved"] and r["steps"] == REPLICA_STEPS
               for r in rows.values()) and sums["segment_sums_same_bits"]
