@@ -52,6 +52,7 @@ class QualityConfig:
     eval_batches: int = 16  # held-out micro-batches (of micro_batch_size x seq_len) evaluated at the end
     heldout: str = "hamlet"
     optimizer: str = "adamw"  # "muon": Muon for the hidden matrices, AdamW for the rest (EngineConfig)
+    max_grad_norm: float | None = None  # clip the global gradient norm (None: no clipping)
     extra: dict = field(default_factory=dict)  # further EngineConfig overrides for every mode
 
 
@@ -80,7 +81,7 @@ def _worker(rank: int, world: int, qc_dict: dict, overrides: dict) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     cfg = EngineConfig(**{
         "micro_batches": qc.micro_batches, "accumulation": "fixed", "max_steps": qc.steps,
-        "optimizer": qc.optimizer, "lr": qc.lr, "lr_schedule": "constant", "warmup_steps": qc.warmup_steps,
+        "optimizer": qc.optimizer, "lr": qc.lr, "max_grad_norm": qc.max_grad_norm, "lr_schedule": "constant", "warmup_steps": qc.warmup_steps,
         "seed": qc.seed, "group_size": qc.group_size, "compute_dtype": "float32",
         **qc.extra, **overrides})
     batches = TokenBatches(train_tokens, qc.seq_len, qc.micro_batch_size, rank=rank, world_size=world,
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batches", type=int, default=QualityConfig.eval_batches)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "muon"), default=QualityConfig.optimizer)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm (default: none)")
     p.add_argument("--codecs", nargs="*", default=[], metavar="CODEC",
                    help="also run zero1 with each of these gradient codecs and int8 parameter deltas, named "
                         "zero1+CODEC (e.g. loco4 ef4 int4: LoCo's moving-average error, classic error feedback, "
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     qc = QualityConfig(steps=a.steps, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq_len=a.seq_len,
                        micro_batch_size=a.micro_batch_size, micro_batches=a.micro_batches, lr=a.lr,
                        warmup_steps=a.warmup_steps, eval_batches=a.eval_batches, seed=a.seed,
-                       optimizer=a.optimizer)
+                       optimizer=a.optimizer, max_grad_norm=a.max_grad_norm)
     modes = list(dict.fromkeys(a.modes))
     if "zero1" in modes:  # the reference first
         modes.remove("zero1")
