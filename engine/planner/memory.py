@@ -59,7 +59,8 @@ optimizer, g = codec group, G = ranks per node:
                       (the message/decoded momentum, the proposed master and worker error), an fp32
                       master 4 unless the parameters are it (e = 4), server error and its proposal
                       8/W; a round's temporaries: 2 + 1/W sets of 1-bit rows ((1/8 + s/g) V each) and
-                      WHOLE_PIECE_TEMP per value of a piece, min(V/W, the spec's ``piece``)
+                      WHOLE_PIECE_TEMP per value of a piece, min(V/W, the spec's ``piece``); two-level
+                      without node sharding, the node's level too: (4 + e) V and NCCL's fp32 piece
     local             2e + 2e_g + 24 (full-size inner AdamW state, theta_sync, s_w, momentum / error);
                       two-level: the node's G ranks shard all of it but the compute buffers: 2e + 2e_g + 24/G;
                       model sharded over the node: (2e + 12 + 12 + OUTER_TEMP)/G and FSDP2's blocks
@@ -307,6 +308,11 @@ def whole(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: W
     pt, frozen = shape.trainable, shape.params - shape.trainable
     if mode.exchange == "two-level":  # a node is one worker; each rank keeps its 1/G of the state
         state, temps = whole_state(spec, pt / g, layout.nodes, ws)
+        if mode.sharding != "node":  # the node's level, kept: the node's fp32 sum of the slice, NCCL's fp32
+            # piece of its reduce-scatter (as held_bytes' two-level), the warmup gatherer's copy of the slice
+            part = pt / layout.nodes
+            cn = max(1, math.ceil(part / MAX_PIECE_VALUES))
+            state += (4 + e) * pt / g + (4 * part / cn if ws.grad_bytes(mode) != 4 or cn > 1 else 0.0)
     else:
         state, temps = whole_state(spec, pt, layout.world, ws)
     if mode.sharding == "node":  # e/G parameters, e/G gathered, one e/G gradient buffer, FSDP2's blocks
