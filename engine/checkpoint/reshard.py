@@ -16,8 +16,9 @@ tensors:
   rng_*         new rank r takes old rank r mod N's
   measured speeds are dropped (measured again)
 
-With optimizer='muon' the parameters' places in the buffer depend on the world size: every tensor is
-read in model order by the old placement and written at the new one (recut_matrices.py).
+With optimizer='muon' the parameters' places in the buffer depend on the world size (under
+model_sharding='node': on the number of nodes): every tensor is read in model order by the old
+placement and written at the new one (recut_matrices.py).
 
 A checkpoint between the rounds of a step, or one whose strategy refuses (``recut_refusal``: an
 ACCO kept half, an outer round in flight), cannot be re-cut: resume it at its own world size, or
@@ -73,10 +74,11 @@ def apply_rule(rule, key: str, old: list[dict[str, torch.Tensor]], order: ModelO
 
 
 def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, torch.Tensor], dict]],
-          where: str, who: str = "workers") -> tuple[dict, dict, dict]:
+          where: str, who: str = "workers", order: ModelOrder | None = None) -> tuple[dict, dict, dict]:
     """(tensors, meta) for this rank (``ctx``: its comm, flat buffer and gradient reducer;
     ``strategy`` and ``topology``: the new run's) from the N old ranks' (tensors, meta), and a
-    report {carried, dropped} for the log; ``who``: what the N are called in its messages (a rail's: nodes)."""
+    report {carried, dropped} for the log; ``who``: what the N are called in its messages (a rail's: nodes);
+    ``order``: the old and new placements, when the caller built them (a rail's Muon matrices)."""
     if ctx.cfg.model_sharding != "none" or old[0][1].get("model_sharding", "none") != "none":
         return recut_rails(ctx, strategy, old, where)  # each rail's chunks re-cut as a flat run's shards
     n, rank, world = len(old), ctx.comm.rank, ctx.comm.world_size
@@ -99,7 +101,8 @@ def recut(ctx: RoundContext, strategy, topology: str, old: list[tuple[dict[str, 
                            "exchange on one side: re-cutting its per-slice state is not supported yet. Resume "
                            f"with {n} workers in the same layout, or run both with topology='flat'")
     # the old tensors read in model order, then placed for this run (Muon's whole matrices move: recut_matrices.py)
-    order = matrix_order(ctx, n) if getattr(flat, "matrices", None) else ModelOrder(numel, padded)
+    if order is None:
+        order = matrix_order(ctx, n) if getattr(flat, "matrices", None) else ModelOrder(numel, padded)
     if getattr(order, "old_shard_size", meta0["shard_size"]) != meta0["shard_size"]:
         raise ReshardError(f"{where} holds shards of {meta0['shard_size']} values, but placing this model's matrices "
                            f"for its {n} workers gives {order.old_shard_size}: it was written with another model, "
@@ -164,7 +167,8 @@ def recut_rails(ctx: RoundContext, strategy, old: list[tuple[dict, dict]], where
     """Resume a node-sharded checkpoint at another number of nodes: the state of rank (m, l) is
     chunk m of rail l's local buffer, so each rail's old files are re-cut for the new rail by
     ``recut`` (the flat rules above, M ranks for N). The ranks per node must stay: the local
-    buffers are cut by them."""
+    buffers are cut by them. Under optimizer='muon' the local buffer places each parameter's rows
+    for the number of nodes (recut_matrices.py), so the rail's tensors go through model order."""
     meta0, layout = old[0][1], ctx.dims.layout
     saved, here = meta0.get("model_sharding", "none"), ctx.cfg.model_sharding
     if saved != here:
@@ -175,13 +179,10 @@ def recut_rails(ctx: RoundContext, strategy, old: list[tuple[dict, dict]], where
         raise ReshardError(f"{where} was written by a model_sharding='node' run of {g_old} ranks per node and this "
                            f"run has {g}: the local shards are cut by the node's ranks, so only another number of "
                            f"nodes is re-cut. Resume with {g_old} ranks per node (LOCAL_WORLD_SIZE / ranks_per_node)")
-    if getattr(ctx.flat, "matrices", None):
-        raise ReshardError(f"{where}: with optimizer='muon' and model_sharding='node' each matrix's rows are spread "
-                           "over the node's ranks inside a chunk placed for the number of nodes; re-cutting them is "
-                           f"not built. Resume with {len(old) // g} nodes")
+    order = matrix_order(ctx, len(old) // g) if getattr(ctx.flat, "matrices", None) else None
     rail = [(t, {**m, "model_sharding": "none"}) for t, m in old[layout.local::g]]
     view = SimpleNamespace(comm=SimpleNamespace(rank=layout.node, world_size=layout.nodes), flat=ctx.flat,
                            grads=ctx.grads, cfg=SimpleNamespace(model_sharding="none"))
-    tensors, meta, report = recut(view, strategy, "flat", rail, where, "nodes")
+    tensors, meta, report = recut(view, strategy, "flat", rail, where, "nodes", order)
     meta.update(rank=ctx.comm.rank, world_size=ctx.comm.world_size, model_sharding=here, ranks_per_node=g)
     return tensors, meta, report

@@ -177,6 +177,7 @@ class LocalShards:
         slots = [-(-p.shape[0] // g) * (p.numel() // max(1, p.shape[0])) if p.dim() else p.numel()
                  for p in self.params]
         starts, self.shard_size = place(slots, whole, self.world_size, align)
+        self.slots = slots  # what a re-cut places for another number of nodes (engine/checkpoint/recut_matrices.py)
         self.padded = self.shard_size * self.world_size
         self.offsets = [(a, a + t.numel()) for a, t in zip(starts, local)]
         self.matrices = sorted((a, t.shape[0], t.shape[1], p.shape[0])
