@@ -112,12 +112,7 @@ class FlatParams:
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """A padded buffer (``values``' dtype) with each parameter's values, given in model order
         as one vector, at its offset; zeros in the padding."""
-        out = torch.zeros(self.padded, dtype=values.dtype, device=values.device)
-        at = 0
-        for a, b in self.offsets:
-            out[a:b] = values[at:at + b - a]
-            at += b - a
-        return out
+        return _spread(self.offsets, self.padded, values)
 
     def install(self, values: torch.Tensor) -> None:
         """Make ``values`` (a whole padded buffer) the parameters the compute side runs on."""
@@ -191,12 +186,7 @@ class LocalShards:
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """A padded local buffer (``values``' dtype) with each local shard, given in order as one
         vector, at its offset; zeros elsewhere."""
-        out = torch.zeros(self.padded, dtype=values.dtype, device=values.device)
-        at = 0
-        for a, b in self.offsets:
-            out[a:b] = values[at:at + b - a]
-            at += b - a
-        return out
+        return _spread(self.offsets, self.padded, values)
 
     def read_into(self, out: torch.Tensor) -> torch.Tensor:
         """The local shards, each at its offset, zeros between and after them, into ``out``."""
@@ -240,3 +230,14 @@ class LocalShards:
             for p, (a, b) in zip(self.params, self.offsets):
                 local = p.to_local()  # a view of FSDP2's sharded storage, fetched anew (it may re-pad it)
                 local.copy_(values[a:b].view(local.shape))
+
+
+def _spread(offsets, padded: int, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (the ranges' values one after another) at the ranges ``offsets`` of a zeroed
+    buffer of ``padded`` values."""
+    out = torch.zeros(padded, dtype=values.dtype, device=values.device)
+    at = 0
+    for a, b in offsets:
+        out[a:b] = values[at:at + b - a]
+        at += b - a
+    return out
