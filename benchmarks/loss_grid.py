@@ -16,7 +16,9 @@ The grid (``run``): global batch B in 16, 32, 64, 128, 256 and two run lengths i
 of :data:`MODES`, seeds 0 and 1. Per (B, length) and mode, seed 0 sweeps the peak lr over three
 values a factor 2 apart around :func:`centre_lr`; when the best of them is at an end of what was
 tried, the next lr beyond it is run too (at most :data:`MAX_EXTRA_LRS` of them), so a mode's best
-lr is inside its sweep or the JSON says it is not. The other seeds run at each mode's best seed-0
+lr is inside its sweep or the JSON says it is not. Every mode is also run at DDP's best lr (a sweep
+whose three lrs all sit on the unigram plateau stops, middle best by noise, above where DDP
+learned: B = 256 at 12288 samples). The other seeds run at each mode's best seed-0
 lr. Every run is scored on the same held-out sequences (``--eval-batches`` batches of DDP's
 ``--micro-batch``: every mode, every B, every length); the gap of a mode is its held-out loss
 against torch DDP's at equal samples, seed against seed, each at its own best lr.
@@ -136,6 +138,13 @@ def best_lr(tried: dict[float, float]) -> float | None:
     return min(tried, key=lambda lr: (tried[lr], lr)) if tried else None
 
 
+def reference_best_lr(doc: dict) -> float | None:
+    """torch DDP's best seed-0 lr once its sweep is done, else None."""
+    centre = doc["lr_rule"].get("centre_by_mode", {}).get(REFERENCE, centre_lr(doc["global_batch"]))
+    tried = finished(doc.get("runs", []), REFERENCE, 0)
+    return lr_key(best_lr(tried)) if tried and next_sweep_lr(tried, centre) is None else None
+
+
 def failures_of(doc: dict, mode: str, lr: float, seed: int) -> int:
     return sum(1 for f in doc.get("failures", []) if f["mode"] == mode and lr_key(f["lr"]) == lr_key(lr)
                and f["seed"] == seed)
@@ -148,11 +157,17 @@ def next_runs(doc: dict, modes=MODES, seeds: int = SEEDS) -> list[tuple[str, flo
     MAX_FAILURES times are left out."""
     runs, centres = doc.get("runs", []), doc["lr_rule"].get("centre_by_mode", {})
     out: list[tuple[str, float, int]] = []
+    reference_lr = reference_best_lr(doc)
     for m in modes:
         centre = centres.get(m, centre_lr(doc["global_batch"]))
         tried = finished(runs, m, 0)
         failed = {lr_key(f["lr"]) for f in doc.get("failures", []) if f["mode"] == m and f["seed"] == 0
                   and failures_of(doc, m, f["lr"], 0) >= MAX_FAILURES}
+        # a sweep whose three lrs all sit on the unigram plateau (ends within noise) stops without
+        # reaching the lr where DDP learned; every mode is also run there
+        if m != REFERENCE and reference_lr is not None and reference_lr not in tried and reference_lr not in failed:
+            out.append((m, reference_lr, 0))
+            continue
         lr = next_sweep_lr({**tried, **{x: math.inf for x in failed}}, centre)
         if lr is not None:
             out.append((m, lr, 0))

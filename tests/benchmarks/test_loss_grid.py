@@ -44,6 +44,21 @@ def test_the_sweep_goes_past_an_end_that_is_best_then_later_seeds_run_at_the_bes
     assert g.next_runs(failing, modes) == [("torch-ddp", 2e-3, 1)]
 
 
+def test_a_sweep_stuck_on_the_plateau_is_also_run_at_ddps_best_lr():
+    # B = 256 at 12288 samples, seed 0: acco+loco4's three lrs ended within noise of the unigram
+    # plateau with the middle one best, so its own sweep stopped above the lr where DDP learned
+    modes = ("torch-ddp", "acco+loco4")
+    ddp = [("torch-ddp", lr, 0, x) for lr, x in ((1e-3, 2.79), (2e-3, 2.65), (4e-3, 3.07), (8e-3, 3.32),
+                                                            (1.6e-2, 3.29))]
+    plateau = [("acco+loco4", lr, 0, x) for lr, x in ((4e-3, 3.314), (8e-3, 3.308), (1.6e-2, 3.324))]
+    assert g.next_runs(doc_with([*ddp, *plateau], b=256), modes) == [("acco+loco4", 2e-3, 0), ("torch-ddp", 2e-3, 1)]
+    # once there and best, the usual extension goes on below it
+    there = doc_with([*ddp, *plateau, ("acco+loco4", 2e-3, 0, 2.75)], b=256)
+    assert g.next_runs(there, modes) == [("acco+loco4", 1e-3, 0), ("torch-ddp", 2e-3, 1)]
+    # before DDP's sweep is done nothing is added
+    assert g.next_runs(doc_with([*ddp[:2], *plateau], b=256), modes)[0] == ("torch-ddp", 8e-3, 0)
+
+
 def test_the_extension_stops_after_max_extra_lrs():
     lrs = [2e-3 * 2 ** k for k in range(-1, 1 + g.MAX_EXTRA_LRS + 1)]
     tried = {g.lr_key(lr): 3.0 - 0.01 * i for i, lr in enumerate(lrs)}  # the largest is always best
