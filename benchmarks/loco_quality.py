@@ -155,6 +155,21 @@ def markdown_table(results: dict[str, dict], reference: str = "zero1") -> str:
     return "\n".join(lines)
 
 
+def engine_overrides(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` strings as EngineConfig fields; VALUE read as JSON where it parses (numbers,
+    true/false), else kept as a string."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {pair!r}: write KEY=VALUE, e.g. --set muon_momentum=0.98")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
@@ -176,6 +191,8 @@ def main(argv=None) -> int:
                    help="also run zero1 with each of these gradient codecs and int8 parameter deltas, named "
                         "zero1+CODEC (e.g. loco4 ef4 int4: LoCo's moving-average error, classic error feedback, "
                         "none)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field for every mode, e.g. muon_momentum=0.98 (repeatable)")
     a = p.parse_args(argv)
     for c in a.codecs:
         MODES[f"zero1+{c}"] = {"strategy": "zero1", "codec": c, "param_codec": "int8"}
@@ -183,7 +200,7 @@ def main(argv=None) -> int:
     qc = QualityConfig(steps=a.steps, n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, seq_len=a.seq_len,
                        micro_batch_size=a.micro_batch_size, micro_batches=a.micro_batches, lr=a.lr,
                        warmup_steps=a.warmup_steps, eval_batches=a.eval_batches, seed=a.seed,
-                       optimizer=a.optimizer, max_grad_norm=a.max_grad_norm)
+                       optimizer=a.optimizer, max_grad_norm=a.max_grad_norm, extra=engine_overrides(a.set))
     modes = list(dict.fromkeys(a.modes))
     if "zero1" in modes:  # the reference first
         modes.remove("zero1")
