@@ -38,7 +38,7 @@ class ShardedLoop(RoundLoop):
             return self.stopped_early([0])
         p.flat.check_grads_attached()
         handle = self.submit(exhausted)
-        if not p.plan.overlap or exhausted:
+        if not p.strategy.overlaps(p.state.step) or exhausted:
             return self.finish(handle)
         self.inflight = handle
         return False

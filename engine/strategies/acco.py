@@ -7,7 +7,9 @@ The ``acco`` section's delay corrections (acco_loco/delay.py; off by default): D
 compensation of the stale half, applied once at the estimate round to the kept sum (so the
 estimate and the commit both use it), with the drift theta_t - thetatilde_t from the estimate
 this owner sent; and weight prediction, the estimate round sending theta_t + s * (the last
-committed update) in place of ACCO's half-batch step."""
+committed update) in place of ACCO's half-batch step. ``sync_steps``: the first steps wait for each
+round and their estimate round sends theta_t, so both halves are computed at theta_t (zero1's
+update); the first overlapped step's stale half was computed at theta_t too, so nothing drifts."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Acco(ShardedStrategy):
         self.kept_buf: torch.Tensor | None = None
         self.dc_lambda = 0.0
         self.predict_steps = 0.0
+        self.sync_steps = 0
         self.state = None
         # delay compensation: the estimate this owner last sent (where the next stale half is computed)
         self.sent_estimate: torch.Tensor | None = None
@@ -58,10 +61,14 @@ class Acco(ShardedStrategy):
         master = self.state.master  # the corrections' shards live where the master does
         self.dc_lambda = float(ctx.cfg.delay_compensation)
         self.predict_steps = float(ctx.cfg.weight_prediction)
+        self.sync_steps = int(ctx.cfg.sync_steps)
         if self.dc_lambda:
             self.sent_estimate = master.detach().clone()  # thetatilde_0 = theta_0
         if self.predict_steps:
             self.last_update = torch.zeros_like(master)
+
+    def overlaps(self, step: int) -> bool:
+        return step >= self.sync_steps
 
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
         # offloaded: the reducer's own buffer, copied to the host once the round is done (``keep``)
@@ -76,13 +83,16 @@ class Acco(ShardedStrategy):
         return self.kept if req.kind is RoundKind.COMMIT else None
 
     def correct(self, ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, totals: RoundTotals) -> None:
-        if req.kind is RoundKind.ESTIMATE and self.dc_lambda:
+        if req.kind is RoundKind.ESTIMATE and self.dc_lambda and (not self.sync_steps or req.step_index > self.sync_steps):
             # the stale half was computed on the estimate sent last step and is applied at theta_t;
-            # clipping and the reported norm saw it before this term (the small all-reduce came first)
+            # clipping and the reported norm saw it before this term (the small all-reduce came first).
+            # The synchronous steps' halves, and the first overlapped step's, were computed at theta_t
             drift = ctx.shard_state.master - self.sent_estimate
             delay.compensate_(step_sum, totals.round_count, drift.to(step_sum.device), self.dc_lambda)
 
     def after_piece(self, ctx: RoundContext, req: RoundRequest):
+        if req.kind is RoundKind.ESTIMATE and req.step_index < self.sync_steps:
+            return lambda proposal, a, b: proposal.part(a, b).master.copy_(ctx.shard_state.master[a:b])
         if req.kind is RoundKind.ESTIMATE and (self.predict_steps or self.dc_lambda):
             return lambda proposal, a, b: self._estimate_piece(ctx, proposal, a, b)
         if req.kind is RoundKind.COMMIT and self.predict_steps:

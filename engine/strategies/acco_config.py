@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..rules import Rule, number, setting
+from ..rules import Rule, integer, number, setting
 
 
 @dataclass
@@ -20,8 +20,12 @@ class AccoConfig:
     weight_prediction: float = setting(0.0, "s > 0: the estimate round sends theta_t + s * (the last committed "
                                        "update) instead of ACCO's half-batch step (weight prediction, "
                                        "PipeDream-2BW/SpecTrain); 0 = off (ACCO as published)")
+    sync_steps: int = setting(0, "the first N optimizer steps run without overlap: each round waits for the one "
+                              "before it and the estimate round installs theta_t, so those steps are zero1's "
+                              "update of the whole batch (the ACCO authors' n_warmup_steps); 0 = off")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "delay_compensation": number(0),
         "weight_prediction": number(0),
+        "sync_steps": integer(0),
     }

@@ -57,6 +57,10 @@ class Strategy:
     def run_round(self, ctx: RoundContext, req: RoundRequest) -> RoundResult:
         raise NotImplementedError
 
+    def overlaps(self, step: int) -> bool:
+        """Whether compute goes on beside the rounds of committed step ``step`` (0-based)."""
+        return self.plan.overlap
+
     @classmethod
     def spec(cls):
         """What the planner needs to know (engine/strategies/spec.py ``StrategySpec``); None: the

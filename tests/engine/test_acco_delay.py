@@ -1,5 +1,6 @@
-"""ACCO's delay corrections (acco_loco/delay.py, the ``acco`` section) against a float64
-sequential computation of the same schedule, at world size 1 and 2 (chunked collectives)."""
+"""ACCO's delay corrections (acco_loco/delay.py, the ``acco`` section) and its synchronous first
+steps (``sync_steps``) against a float64 sequential computation of the same schedule, at world
+size 1 and 2 (chunked collectives)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ STEPS, K = 20, 2
 LAMBDA, S = 20.0, 1.0  # big enough on the tiny model to move the trajectory well past float error
 CORRECTIONS = {"dc": {"delay_compensation": LAMBDA}, "wp": {"weight_prediction": S},
                "both": {"delay_compensation": LAMBDA, "weight_prediction": S}}
+SYNC = 5  # synchronous first steps, then ACCO
 
 
 def run_engine(rank: int, world: int, settings: dict, chunks: int = 1, opt: str = "adamw", step_copy: str = "auto"):
@@ -32,11 +34,12 @@ def run_engine(rank: int, world: int, settings: dict, chunks: int = 1, opt: str 
     return out
 
 
-def reference(world: int, dc: float = 0.0, wp: float = 0.0, opt: str = "adamw") -> list[torch.Tensor]:
+def reference(world: int, dc: float = 0.0, wp: float = 0.0, opt: str = "adamw", sync: int = 0) -> list[torch.Tensor]:
     """ACCO's schedule (tests/tiny.py Reference.run("acco")) with the corrections written out in
     float64: the stale half gtilde_t, computed on the estimate thetatilde_t and applied at theta_t,
     gets + dc * g*g * (theta_t - thetatilde_t) on its mean (Zheng et al. 2017); with wp > 0 the
-    estimate is theta_t + wp * (theta_t - theta_{t-1}) instead of the half-batch step."""
+    estimate is theta_t + wp * (theta_t - theta_{t-1}) instead of the half-batch step. The first
+    ``sync`` steps compute both halves at theta_t (the data in the same order)."""
     streams = [worker_stream(r, 3 * K * (STEPS + 1)) for r in range(world)]
     kwargs = {"weight_decay": 0.1} if opt == "adamw" else {"momentum": 0.9}
     ref = Reference(tiny_model(seed=0), streams, K, opt=opt, lr=1e-2, **kwargs)
@@ -44,8 +47,16 @@ def reference(world: int, dc: float = 0.0, wp: float = 0.0, opt: str = "adamw") 
     last_update = torch.zeros_like(point)
     gt, ct = ref.grads(point)
     out = []
-    for _ in range(STEPS):
+    for t in range(STEPS):
         theta = ref.theta.detach().clone()
+        if t < sync:  # the stale half was computed here too: nothing to compensate
+            g, c = ref.grads(theta)
+            ref.apply(gt + g, ct + c)
+            last_update = ref.theta.detach() - theta
+            point = ref.theta.detach().clone()
+            gt, ct = ref.grads(point)
+            out.append(ref.theta.detach().clone())
+            continue
         mean = gt / ct
         gt = (mean + dc * mean * mean * (theta - point)) * ct
         estimate = theta + wp * last_update if wp else ref.estimate(gt, ct)
@@ -90,15 +101,43 @@ def test_sgd_weight_prediction_matches_reference():
     assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-6
 
 
+@pytest.mark.parametrize("name", ["none", "both"])
+def test_sync_steps_match_reference(name):
+    settings = CORRECTIONS.get(name, {})
+    got = run_engine(0, 1, {**settings, "sync_steps": SYNC}, chunks=3)
+    dc, wp = settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0)
+    want = reference(1, dc, wp, sync=SYNC)
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) < 1e-6, errs
+    # not ACCO's trajectory, nor a fully synchronous one: the switch happened at step SYNC
+    assert rel_err(want[-1], reference(1, dc, wp)[-1]) > 1e-4
+    assert rel_err(want[-1], reference(1, dc, wp, sync=STEPS)[-1]) > 1e-4
+    assert rel_err(want[SYNC - 1], reference(1, dc, wp, sync=STEPS)[SYNC - 1]) < 1e-12
+
+
+def test_sync_steps_throughout_are_zero1s_update():
+    got = run_engine(0, 1, {"sync_steps": STEPS}, chunks=3)
+    model = tiny_model(seed=0)
+    cfg = EngineConfig(strategy="zero1", lr=1e-2, micro_batches=2 * K, accumulation="fixed", max_steps=STEPS,
+                       align=8, weight_decay=0.1, comm_chunks=3)
+    engine = Engine(model, cfg, mse_loss)
+    engine.fit(iter(worker_stream(0, 3 * K * (STEPS + 1))))
+    engine.close()
+    assert rel_err(got[-1], flat_params(model)) < 1e-6
+
+
 def _both_worlds(rank: int, world: int):
-    return {name: run_engine(rank, world, CORRECTIONS[name], chunks=3) for name in ("dc", "wp")}
+    out = {name: run_engine(rank, world, CORRECTIONS[name], chunks=3) for name in ("dc", "wp")}
+    out["sync"] = run_engine(rank, world, {**CORRECTIONS["dc"], "sync_steps": SYNC}, chunks=3)
+    return out
 
 
 def test_two_process_groups_match_reference_and_stay_identical():
     results = spawn(_both_worlds, 2)
-    for name in ("dc", "wp"):
-        settings = CORRECTIONS[name]
-        want = reference(2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0))
+    for name in ("dc", "wp", "sync"):
+        settings = CORRECTIONS[name if name != "sync" else "dc"]
+        want = reference(2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0),
+                         sync=SYNC if name == "sync" else 0)
         for step in range(STEPS):
             assert torch.equal(results[1][name][step], results[0][name][step]), (name, step)
             assert rel_err(results[0][name][step], want[step]) < 1e-6, (name, step)
@@ -111,14 +150,16 @@ def test_defaults_are_acco_as_published():
         EngineConfig(strategy="zero1", delay_compensation=1.0)
     with pytest.raises(ValueError, match="weight_prediction must be a finite number >= 0"):
         EngineConfig(strategy="acco", weight_prediction=-1.0)
+    assert EngineConfig(strategy="acco").sync_steps == 0
 
 
-def test_resumed_run_with_both_corrections_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("sync", [0, 8])  # 8: saved in the synchronous steps, resumed across the switch
+def test_resumed_run_with_both_corrections_is_bit_identical(tmp_path, sync):
     from engine import GlobalBatches
 
     stream = worker_stream(0, 64)
     cfg = EngineConfig(strategy="acco", lr=1e-2, global_micro_batches=4, max_steps=12, align=8,
-                       **CORRECTIONS["both"])
+                       sync_steps=sync, **CORRECTIONS["both"])
     straight = Engine(tiny_model(0), cfg, mse_loss)
     straight.fit(GlobalBatches(stream.__getitem__))
     straight.close()

@@ -218,6 +218,8 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"delay_compensation": -1.0}, "delay_compensation must be a finite number >= 0, got -1.0"),
     ({"delay_compensation": NAN}, "delay_compensation must be a finite number >= 0, got nan"),
     ({"weight_prediction": "1"}, "weight_prediction must be a finite number >= 0, got '1'"),
+    ({"sync_steps": -1}, "sync_steps must be an integer >= 0, got -1"),
+    ({"sync_steps": 2.0}, "sync_steps must be an integer >= 0, got 2.0"),
     # runtime
     ({"timeout_s": 0}, "timeout_s must be a finite number > 0, got 0"),
     ({"timeout_s": -1}, "timeout_s must be a finite number > 0, got -1"),
