@@ -176,9 +176,10 @@ def test_resumed_run_with_both_corrections_is_bit_identical(tmp_path, sync):
 
 
 def test_benchmark_modes_set_the_corrections():
-    from benchmarks.modes import BENCHMARK_MODES, DC_LAMBDA, MODES, matched_batch
+    from benchmarks.modes import BENCHMARK_MODES, DC_LAMBDA, MODES, SYNC_STEPS, matched_batch
 
-    for name, field, value in (("acco+dc", "delay_compensation", DC_LAMBDA), ("acco+wp", "weight_prediction", 1.0)):
+    for name, field, value in (("acco+dc", "delay_compensation", DC_LAMBDA), ("acco+wp", "weight_prediction", 1.0),
+                               ("acco+sync", "sync_steps", SYNC_STEPS)):
         assert name in BENCHMARK_MODES
         cfg = EngineConfig(**MODES[name].engine_kwargs())
         assert getattr(cfg, field) == value and cfg.strategy == "acco"
