@@ -11,7 +11,9 @@ once per mode, with the same seed, data order, learning rate and schedule:
 
 and prints a markdown table: final train loss (mean over the last 10% of steps) and its ratio to
 zero1's, held-out loss at the end, wire bytes per optimizer step (sent by one worker) and its
-ratio to zero1's.
+ratio to zero1's. Every mode runs ``--micro-batches`` per round, and an acco step is two rounds,
+so at one setting acco takes twice zero1's samples per step (the table's samples/step column): for
+an equal batch run acco alone at half zero1's ``--micro-batches``.
 
     nice -n 19 python benchmarks/loco_quality.py --steps 300 --json loco_quality.json
     python benchmarks/loco_quality.py --steps 40 --n-layer 2 --n-embd 128 --modes zero1 acco+loco4+int8
