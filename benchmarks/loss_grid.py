@@ -79,7 +79,7 @@ RUN_TIMEOUT_S = 7200.0  # a run at nice 19 on a busy host can take many times it
 # (4 ranks of micro-batch 8 take 32 samples a step).
 LAYOUTS = {"2x1": None, "2x2": {"workers": 4, "ranks_per_node": 2}}
 MODES_2X2 = (REFERENCE,) + tuple(f"{m}@two_level" for m in MODES if "loco" in m)
-ORDER_2X2 = [(256, LENGTHS[0]), (64, LENGTHS[0]), (32, LENGTHS[0]), (128, LENGTHS[0])]
+ORDER_2X2 = [(256, LENGTHS[0]), (64, LENGTHS[0]), (32, LENGTHS[0]), (128, LENGTHS[0]), (256, LENGTHS[1])]
 
 
 def workload_of(layout: str) -> dict:
