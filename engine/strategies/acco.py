@@ -83,7 +83,8 @@ class Acco(ShardedStrategy):
         return self.kept if req.kind is RoundKind.COMMIT else None
 
     def correct(self, ctx: RoundContext, req: RoundRequest, step_sum: torch.Tensor, totals: RoundTotals) -> None:
-        if req.kind is RoundKind.ESTIMATE and self.dc_lambda and (not self.sync_steps or req.step_index > self.sync_steps):
+        stale = not self.sync_steps or req.step_index > self.sync_steps
+        if req.kind is RoundKind.ESTIMATE and self.dc_lambda and stale:
             # the stale half was computed on the estimate sent last step and is applied at theta_t;
             # clipping and the reported norm saw it before this term (the small all-reduce came first).
             # The synchronous steps' halves, and the first overlapped step's, were computed at theta_t
