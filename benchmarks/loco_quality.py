@@ -159,12 +159,17 @@ def markdown_table(results: dict[str, dict], reference: str = "zero1") -> str:
 
 def engine_overrides(pairs: list[str]) -> dict:
     """``KEY=VALUE`` strings as EngineConfig fields; VALUE read as JSON where it parses (numbers,
-    true/false), else kept as a string."""
-    out = {}
+    true/false), else kept as a string. An unknown field is refused here, before any worker starts."""
+    from engine.config import describe_settings
+
+    fields, out = describe_settings(), {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set {pair!r}: write KEY=VALUE, e.g. --set muon_momentum=0.98")
+        if key not in fields:
+            raise SystemExit(f"--set {pair!r}: EngineConfig has no field {key!r} "
+                             "(engine/config.py and its sections list them)")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
