@@ -9,9 +9,13 @@ estimate and the commit both use it), with the drift theta_t - thetatilde_t from
 this owner sent; and weight prediction, the estimate round sending theta_t + s * (the last
 committed update) in place of ACCO's half-batch step. ``sync_steps``: the first steps wait for each
 round and their estimate round sends theta_t, so both halves are computed at theta_t (zero1's
-update); the first overlapped step's stale half was computed at theta_t too, so nothing drifts."""
+update); the first overlapped step's stale half was computed at theta_t too, so nothing drifts.
+``estimate_clip='step'``: under max_grad_norm the estimate round is clipped by the last commit's
+norm (the whole batch's, one step older) instead of its own half-batch gradient's."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -45,6 +49,8 @@ class Acco(ShardedStrategy):
         self.dc_lambda = 0.0
         self.predict_steps = 0.0
         self.sync_steps = 0
+        self.clip_by_step = False
+        self.commit_norm: float | None = None  # the last committed step's gradient norm (estimate_clip='step')
         self.state = None
         # delay compensation: the estimate this owner last sent (where the next stale half is computed)
         self.sent_estimate: torch.Tensor | None = None
@@ -62,6 +68,7 @@ class Acco(ShardedStrategy):
         self.dc_lambda = float(ctx.cfg.delay_compensation)
         self.predict_steps = float(ctx.cfg.weight_prediction)
         self.sync_steps = int(ctx.cfg.sync_steps)
+        self.clip_by_step = ctx.cfg.estimate_clip == "step"
         if self.dc_lambda:
             self.sent_estimate = master.detach().clone()  # thetatilde_0 = theta_0
         if self.predict_steps:
@@ -69,6 +76,11 @@ class Acco(ShardedStrategy):
 
     def overlaps(self, step: int) -> bool:
         return step >= self.sync_steps
+
+    def clip_norm(self, req: RoundRequest, grad_norm: float) -> float:
+        if self.clip_by_step and req.kind is RoundKind.ESTIMATE and self.commit_norm is not None:
+            return self.commit_norm  # the first step has none: its estimate is clipped by its own
+        return grad_norm
 
     def reduce_into(self, req: RoundRequest) -> torch.Tensor | None:
         # offloaded: the reducer's own buffer, copied to the host once the round is done (``keep``)
@@ -120,6 +132,8 @@ class Acco(ShardedStrategy):
                 self.sent_estimate.copy_(self.state.master)  # the unchanged master went out
         else:
             self.kept = None
+            if stepped:
+                self.commit_norm = math.sqrt(totals.sq_norm) / totals.count
             if self.last_update is not None and not stepped:
                 self.last_update.zero_()  # nothing was installed: theta_{t+1} = theta_t
 
@@ -127,10 +141,10 @@ class Acco(ShardedStrategy):
         tensors = {name: t.detach().cpu().contiguous() for name, t in
                    (("sent_estimate", self.sent_estimate), ("last_update", self.last_update)) if t is not None}
         if self.kept is None:
-            return tensors, {"kept": None}
+            return tensors, {"kept": None, "commit_norm": self.commit_norm}
         k = self.kept
         tensors["kept_grad_sum"] = k.grad_sum.detach().cpu().contiguous()
-        return tensors, {"kept": {
+        return tensors, {"commit_norm": self.commit_norm, "kept": {
             "count": k.count, "loss_sum": k.loss_sum, "samples": k.samples,
             "skipped": k.skipped, "bad_ranks": list(k.bad_ranks)}}
 
@@ -143,6 +157,7 @@ class Acco(ShardedStrategy):
                 raise ValueError(f"the checkpoint has no ACCO {name} (saved with the acco section's "
                                  f"corrections off): resume with them off, or start a new run")
             mine.copy_(tensors[name])
+        self.commit_norm = meta.get("commit_norm")  # absent in older checkpoints: the next commit sets it
         k = meta.get("kept")
         self.kept = None if k is None else KeptHalf(
             self.kept_buf.copy_(tensors["kept_grad_sum"]), k["count"], k["loss_sum"], k["samples"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..rules import Rule, integer, number, setting
+from ..rules import Rule, choice, integer, number, setting
 
 
 @dataclass
@@ -23,9 +23,14 @@ class AccoConfig:
     sync_steps: int = setting(0, "the first N optimizer steps run without overlap: each round waits for the one "
                               "before it and the estimate round installs theta_t, so those steps are zero1's "
                               "update of the whole batch (the ACCO authors' n_warmup_steps); 0 = off")
+    estimate_clip: str = setting("half", "which norm clips the estimate round's step (with max_grad_norm): 'half' its "
+                                 "own half-batch gradient's (ACCO as published), 'step' the last committed "
+                                 "step's whole-batch gradient's (the estimate is then scaled as the step before "
+                                 "it was; a probe of issue 43)")
 
     RULES: ClassVar[dict[str, Rule]] = {
         "delay_compensation": number(0),
         "weight_prediction": number(0),
         "sync_steps": integer(0),
+        "estimate_clip": choice(("half", "step")),
     }

@@ -104,6 +104,11 @@ class ShardedStrategy(Strategy):
         """Change a round's gradient sum in place before its step, once the round is known to step
         (ACCO's delay compensation; nothing here)."""
 
+    def clip_norm(self, req: RoundRequest, grad_norm: float) -> float:
+        """The norm that sets this round's clipping coefficient (its own gradient's here; ACCO's
+        ``estimate_clip='step'`` gives the estimate round the last commit's)."""
+        return grad_norm
+
     def after_piece(self, ctx: RoundContext, req: RoundRequest):
         """None, or ``f(proposal, a, b)`` called once values [a, b) are proposed and before they
         go on the wire (ACCO's weight prediction replaces an estimate's; nothing here); read them
@@ -141,8 +146,8 @@ class ShardedStrategy(Strategy):
         # [how to apply] the shard optimizer proposes piece by piece, each piece on the wire as
         # soon as it is done; nothing is written before the whole gather is in and finite
         stepping = not totals.nonfinite and totals.count > 0
-        proposal, started, proposed = step_and_gather(ctx, step_sum, totals.count, grad_norm, lr, stepping,
-                                                      self.after_piece(ctx, req), self.offload, held)
+        proposal, started, proposed = step_and_gather(ctx, step_sum, totals.count, self.clip_norm(req, grad_norm), lr,
+                                                      stepping, self.after_piece(ctx, req), self.offload, held)
         phases["optimizer"] = (t, proposed)
 
         overflowed = finish_and_install(ctx, req, proposal, self.offload, held)

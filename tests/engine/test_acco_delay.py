@@ -69,6 +69,44 @@ def reference(world: int, dc: float = 0.0, wp: float = 0.0, opt: str = "adamw", 
     return out
 
 
+CLIP = 0.3  # below the tiny model's gradient norms (0.3-1.1 over the run): every round is clipped
+
+
+def reference_clipped(world: int, estimate_clip: str) -> list[torch.Tensor]:
+    """ACCO's schedule with clipping at CLIP, in float64: the commit clipped by its whole step's
+    norm (torch's rule, acco_loco/optim.py clip_coefficient), the estimate by its own half's
+    ('half') or by the last commit's norm ('step'; the first step's by its own)."""
+    streams = [worker_stream(r, 3 * K * (STEPS + 1)) for r in range(world)]
+    ref = Reference(tiny_model(seed=0), streams, K, lr=1e-2, weight_decay=0.1)
+
+    def coef(norm):
+        return min(1.0, CLIP / (norm + 1e-6))
+
+    gt, ct = ref.grads(ref.theta)
+    last, out = None, []
+    for _ in range(STEPS):
+        norm = (gt / ct).norm().item()
+        used = norm if estimate_clip == "half" or last is None else last
+        estimate = ref.estimate(gt * coef(used), ct)
+        g, c = ref.grads(ref.theta)
+        gt_next, ct_next = ref.grads(estimate)
+        last = ((gt + g) / (ct + c)).norm().item()
+        ref.apply((gt + g) * coef(last), ct + c)
+        gt, ct = gt_next, ct_next
+        out.append(ref.theta.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("estimate_clip", ["half", "step"])
+def test_estimate_clip_matches_reference(estimate_clip):
+    got = run_engine(0, 1, {"max_grad_norm": CLIP, "estimate_clip": estimate_clip}, chunks=3)
+    want = reference_clipped(1, estimate_clip)
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) < 1e-6, errs
+    other = reference_clipped(1, "half" if estimate_clip == "step" else "step")
+    assert rel_err(want[-1], other[-1]) > 1e-4  # the two clips give two trajectories
+
+
 def test_compensate_and_predict_math():
     s = torch.tensor([2.0, -4.0, 0.0], dtype=torch.float64)
     drift = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
@@ -129,15 +167,17 @@ def test_sync_steps_throughout_are_zero1s_update():
 def _both_worlds(rank: int, world: int):
     out = {name: run_engine(rank, world, CORRECTIONS[name], chunks=3) for name in ("dc", "wp")}
     out["sync"] = run_engine(rank, world, {**CORRECTIONS["dc"], "sync_steps": SYNC}, chunks=3)
+    out["clip"] = run_engine(rank, world, {"max_grad_norm": CLIP, "estimate_clip": "step"}, chunks=3)
     return out
 
 
 def test_two_process_groups_match_reference_and_stay_identical():
     results = spawn(_both_worlds, 2)
-    for name in ("dc", "wp", "sync"):
-        settings = CORRECTIONS[name if name != "sync" else "dc"]
-        want = reference(2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0),
-                         sync=SYNC if name == "sync" else 0)
+    for name in ("dc", "wp", "sync", "clip"):
+        settings = CORRECTIONS[name if name not in ("sync", "clip") else "dc"]
+        want = reference_clipped(2, "step") if name == "clip" else reference(
+            2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0),
+            sync=SYNC if name == "sync" else 0)
         for step in range(STEPS):
             assert torch.equal(results[1][name][step], results[0][name][step]), (name, step)
             assert rel_err(results[0][name][step], want[step]) < 1e-6, (name, step)
@@ -151,15 +191,19 @@ def test_defaults_are_acco_as_published():
     with pytest.raises(ValueError, match="weight_prediction must be a finite number >= 0"):
         EngineConfig(strategy="acco", weight_prediction=-1.0)
     assert EngineConfig(strategy="acco").sync_steps == 0
+    assert EngineConfig(strategy="acco").estimate_clip == "half"
 
 
-@pytest.mark.parametrize("sync", [0, 8])  # 8: saved in the synchronous steps, resumed across the switch
-def test_resumed_run_with_both_corrections_is_bit_identical(tmp_path, sync):
+# 8: saved in the synchronous steps, resumed across the switch; "dc": the estimate is the clipped
+# half-batch step (weight prediction would replace it), so the last commit's norm is read on resume
+@pytest.mark.parametrize("sync,corrections", [(0, "both"), (8, "both"), (0, "dc")])
+def test_resumed_run_with_the_corrections_is_bit_identical(tmp_path, sync, corrections):
     from engine import GlobalBatches
 
     stream = worker_stream(0, 64)
+    # estimate_clip='step' with every round clipped: the last commit's norm must come back too
     cfg = EngineConfig(strategy="acco", lr=1e-2, global_micro_batches=4, max_steps=12, align=8,
-                       sync_steps=sync, **CORRECTIONS["both"])
+                       sync_steps=sync, max_grad_norm=CLIP, estimate_clip="step", **CORRECTIONS[corrections])
     straight = Engine(tiny_model(0), cfg, mse_loss)
     straight.fit(GlobalBatches(stream.__getitem__))
     straight.close()

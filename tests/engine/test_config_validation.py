@@ -220,6 +220,7 @@ BAD_VALUES: list[tuple[dict, str]] = [
     ({"weight_prediction": "1"}, "weight_prediction must be a finite number >= 0, got '1'"),
     ({"sync_steps": -1}, "sync_steps must be an integer >= 0, got -1"),
     ({"sync_steps": 2.0}, "sync_steps must be an integer >= 0, got 2.0"),
+    ({"estimate_clip": "whole"}, "unknown estimate_clip 'whole'"),
     # runtime
     ({"timeout_s": 0}, "timeout_s must be a finite number > 0, got 0"),
     ({"timeout_s": -1}, "timeout_s must be a finite number > 0, got -1"),
