@@ -123,6 +123,8 @@ MODES: dict[str, Mode] = {
     "acco+wp": _engine("acco", weight_prediction=1.0),
     # ACCO whose first SYNC_STEPS steps run synchronously (the acco section's sync_steps)
     "acco+sync": _engine("acco", sync_steps=SYNC_STEPS),
+    # ACCO whose estimate round is clipped by the last commit's norm, not its half's (estimate_clip)
+    "acco+stepclip": _engine("acco", estimate_clip="step"),
     # zero1 with a round's micro-batches shared out equally whatever --balance says: under
     # --hetero --balance speed, the synchronous baseline a user has without speed shares
     "zero1+equal-shares": _engine("zero1", balance="equal"),
@@ -183,7 +185,8 @@ def topology_of(name: str) -> str | None:
 
 # recipes/benchmark.py: every mode it can run, in its table's order ...
 BENCHMARK_MODES = ("torch-ddp", "torch-ddp-acc1", "torch-ddp-acc4", "torch-ddp-acc12", "torch-ddp+powersgd1",
-                   "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+dc", "acco+wp", "acco+sync", "acco+loco4", "acco+loco4+int4params",
+                   "torch-ddp+powersgd4", "zero1", "zero1+equal-shares", "dpu", "acco", "acco+dc", "acco+wp", "acco+sync", "acco+stepclip",
+                   "acco+loco4", "acco+loco4+int4params",
                    "zero1+loco4", "zero1+loco4+int4params", "acco+loco4+int4params+cap1", "onebit-adam", "diloco-h15", "diloco-h50", "sparseloco-h15", "sparseloco-h50",
                    "diloco-h15+overlap", "sparseloco-h15+overlap", "sparseloco-h50+overlap",
                    "sparseloco-h15+tiles", "sparseloco-h15+clip", "sparseloco-h15+efscale")

@@ -223,7 +223,7 @@ def test_benchmark_modes_set_the_corrections():
     from benchmarks.modes import BENCHMARK_MODES, DC_LAMBDA, MODES, SYNC_STEPS, matched_batch
 
     for name, field, value in (("acco+dc", "delay_compensation", DC_LAMBDA), ("acco+wp", "weight_prediction", 1.0),
-                               ("acco+sync", "sync_steps", SYNC_STEPS)):
+                               ("acco+sync", "sync_steps", SYNC_STEPS), ("acco+stepclip", "estimate_clip", "step")):
         assert name in BENCHMARK_MODES
         cfg = EngineConfig(**MODES[name].engine_kwargs())
         assert getattr(cfg, field) == value and cfg.strategy == "acco"
