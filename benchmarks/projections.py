@@ -83,8 +83,8 @@ def projection_table() -> str:
 
 
 def evidence_table() -> str:
-    """Every mode's rows in the results folder: the qualifying ones (>= 3 seeds of a benchmark JSON,
-    >= 2 of the loss grid) and how many do not qualify."""
+    """Every mode's rows in the results folder: the qualifying ones (>= 3 seeds of a benchmark JSON
+    or of the loss grid) and how many do not qualify."""
     by: dict[str, list] = {}
     for p in all_points(RESULTS):
         by.setdefault(p.bench.split("@")[0] + (" (two-level)" if p.key.endswith("|two-level") else "")

@@ -11,7 +11,7 @@ The rule, in order:
    settings run (``runnable``: the exchange its topology resolves to, its model sharding, where its
    optimizer steps);
 2. measured: the figure the goal needs has qualifying rows of the mode's own (evidence.py: >= 3
-   seeds of a benchmark JSON, >= 2 of the loss grid); a mode without them is shown "not measured"
+   seeds of a benchmark JSON or of the loss grid); a mode without them is shown "not measured"
    and never chosen;
 3. the goal: ``loss_per_sample`` keeps the modes whose loss per sample, at the run's B and length,
    is within the bound of AdamW's; ``time_to_loss`` keeps them all;

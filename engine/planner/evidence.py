@@ -13,8 +13,8 @@ reach DDP's loss over DDP's own (median over the seeds, quality.run_factor), the
   held-out set at its own swept lr, per seed against DDP's run of that seed; ``..._2x2.json``: the
   gradient-codec modes on the two-level exchange at 2 nodes x 2 ranks, against DDP at 4 ranks.
 
-A point *qualifies* with at least ``MIN_SEEDS`` seeds (3 for a benchmark JSON, 2 for the grid's
-points, whose lr was swept per mode); only qualifying points of a mode's own make a figure, so a
+A point *qualifies* with at least ``MIN_SEEDS`` seeds (3, for a benchmark JSON and for the grid's
+points alike); only qualifying points of a mode's own make a figure, so a
 mode with none is "not measured" and never chosen (engine/planner/decide.py). Nothing is carried
 from one mode to another: the benchmark's names map to the planner's modes by what they run
 (quality.bench_mode: the benchmark's LoCo names without ``+int4params`` send int8 parameter
@@ -55,7 +55,7 @@ RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds
                 "muon_sweep_1gbit_b16.json", "muon_protocol_1gbit_b16_3seeds.json")
 GRID_DIR = "loss_grid"
 GRID_FILE = re.compile(r"b(\d+)_n(\d+)(_\d+x\d+)?\.json$")  # the suffix: nodes x ranks per node, 2 x 1 without
-MIN_SEEDS = {"benchmark": 3, "grid": 2}
+MIN_SEEDS = {"benchmark": 3, "grid": 3}
 REFERENCE = "torch-ddp"
 
 def evidence_key(mode: Mode) -> str | None:

@@ -166,12 +166,13 @@ def test_recommendation_keeps_adamw_and_follows_the_link():
     shape = from_shape(6, 256, 257, params=4_837_888, seq_len=128)
     batch = Batch(16, 4)
     slow = make_plan(shape, Layout(2), cpu_testbed(20e6, 17.0), batch, WireSettings(), results=RESULTS)
-    # zero1 with LoCo-4 has rows of its own in the loss grid (2 seeds, within the bound at its longest
-    # run, 12288 samples: +0.36% with int8 deltas; int4 deltas +0.55%) and is the fastest on a slow link
-    # that keeps AdamW's loss; acco + LoCo-4 + int4 deltas is measured there too (-0.02%) but slower
+    # zero1 with LoCo-4 has rows of its own in the loss grid (3 seeds, within the bound at its longest
+    # run, 12288 samples: median +0.47% with int8 deltas; int4 deltas +0.65%, above it) and is the fastest
+    # on a slow link that keeps AdamW's loss; acco + LoCo-4 + int4 deltas is measured there too (+0.46%)
+    # but slower
     assert slow.choice.mode.strategy == "zero1" and slow.choice.mode.codec == "loco4", slow.why
     assert slow.choice.loss.measured and slow.choice.loss.value <= 0.5
-    assert all(p.source.startswith("loss_grid/") and len(p.seeds) >= 2 for p in slow.choice.loss.basis)
+    assert all(p.source.startswith("loss_grid/") and len(p.seeds) >= 3 for p in slow.choice.loss.basis)
     acco = next(r for r in slow.rows if r.mode == Mode("acco", "loco4", "int4"))
     assert acco.loss.measured and acco.loss.value <= 0.5 and acco.time.step_s > slow.choice.time.step_s
     # every faster mode of the same exchange was left out for a measured reason or for want of rows
@@ -259,11 +260,12 @@ def test_loss_per_sample_comes_from_the_measured_tables():
     from engine.planner.evidence import estimate
 
     acco = estimate(Mode("acco", "loco4", "int4"), RESULTS, 16, 3072)
-    # acco_headline_100mbit_b16_3seeds.json (3 seeds, +1.35%) and the loss grid's B = 16 point (2 seeds,
-    # +0.93%), both at B = 16 and 3072 samples
+    # acco_headline_100mbit_b16_3seeds.json (3 seeds, +1.35%) at B = 16 and 3072 samples; the loss grid's
+    # point there has 2 seeds (+0.93%): shown, not counted
     sources = {p.source for p in acco.basis}
-    assert sources == {"acco_headline_100mbit_b16_3seeds.json", "loss_grid/b16_n3072.json"}, sources
-    assert 0.93 - 1e-3 <= acco.value <= 1.348 + 1e-3 and not acco.beyond
+    assert sources == {"acco_headline_100mbit_b16_3seeds.json"}, sources
+    assert acco.value == pytest.approx(1.348, abs=1e-3) and not acco.beyond
+    assert "loss_grid/b16_n3072.json" in {p.source for p in acco.unqualified}
     assert estimate(Mode("sparseloco"), RESULTS, 16, None).value > 10  # +16-18% per sample at H = 15
     # zero1 with LoCo stands on its own rows (the grid's zero1+loco4), never on acco's
     assert {p.bench for p in estimate(Mode("zero1", "loco4", "int8"), RESULTS, 16, None).basis} == {"zero1+loco4"}
