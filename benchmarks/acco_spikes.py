@@ -322,7 +322,8 @@ def main(argv=None) -> int:
     evals = [{k: e[k] for k in ("samples", "step", "loss")} for e in
              (max((r["evals"][i] for r in res), key=lambda e: "loss" in e) for i in range(len(res[0]["evals"])))]
     cfg = res[0]["config"]
-    out = {"about": "per-step figures of one engine run without clipping (benchmarks/acco_spikes.py docstring)",
+    out = {"about": "per-step figures of one engine run, clipped where max_grad_norm is set "
+                    "(benchmarks/acco_spikes.py docstring)",
            "command": " ".join(shlex.quote(x) for x in ["python", "benchmarks/acco_spikes.py", *sys.argv[1:]]),
            "layout": f"{workload['workers']} workers on one machine (spawned processes, gloo over 127.0.0.1)",
            "mode": a.mode, "lr": a.lr, "seed": a.seed, "global_batch": a.global_batch,

@@ -15,8 +15,6 @@ norm (the whole batch's, one step older) instead of its own half-batch gradient'
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from acco_loco import delay
@@ -133,7 +131,7 @@ class Acco(ShardedStrategy):
         else:
             self.kept = None
             if stepped:
-                self.commit_norm = math.sqrt(totals.sq_norm) / totals.count
+                self.commit_norm = totals.grad_norm
             if self.last_update is not None and not stepped:
                 self.last_update.zero_()  # nothing was installed: theta_{t+1} = theta_t
 

@@ -63,6 +63,11 @@ class RoundTotals:
     reason: str  # why the step is skipped, for the warning
     micro_batch_s: list[float]  # every rank's seconds per micro-batch in this round
 
+    @property
+    def grad_norm(self) -> float:
+        """The norm of the round's global mean gradient (NaN when the step is skipped or empty)."""
+        return math.sqrt(self.sq_norm) / self.count if self.count and not self.nonfinite else float("nan")
+
 
 class ShardedStrategy(Strategy):
     two_level = True  # its reducer and gatherer take the node's level first (engine/parallel/two_level.py)
@@ -142,7 +147,7 @@ class ShardedStrategy(Strategy):
             self.correct(ctx, req, step_sum, totals)
         lr = lr_at(req.step_index, ctx.cfg.lr, ctx.cfg.lr_schedule, ctx.cfg.warmup_steps, ctx.cfg.max_steps,
                    ctx.cfg.min_lr_ratio)
-        grad_norm = math.sqrt(totals.sq_norm) / totals.count if totals.count and not totals.nonfinite else float("nan")
+        grad_norm = totals.grad_norm
         # [how to apply] the shard optimizer proposes piece by piece, each piece on the wire as
         # soon as it is done; nothing is written before the whole gather is in and finite
         stepping = not totals.nonfinite and totals.count > 0

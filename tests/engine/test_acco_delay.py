@@ -173,11 +173,9 @@ def _both_worlds(rank: int, world: int):
 
 def test_two_process_groups_match_reference_and_stay_identical():
     results = spawn(_both_worlds, 2)
-    for name in ("dc", "wp", "sync", "clip"):
-        settings = CORRECTIONS[name if name not in ("sync", "clip") else "dc"]
-        want = reference_clipped(2, "step") if name == "clip" else reference(
-            2, settings.get("delay_compensation", 0.0), settings.get("weight_prediction", 0.0),
-            sync=SYNC if name == "sync" else 0)
+    wants = {"dc": reference(2, dc=LAMBDA), "wp": reference(2, wp=S), "sync": reference(2, dc=LAMBDA, sync=SYNC),
+             "clip": reference_clipped(2, "step")}
+    for name, want in wants.items():
         for step in range(STEPS):
             assert torch.equal(results[1][name][step], results[0][name][step]), (name, step)
             assert rel_err(results[0][name][step], want[step]) < 1e-6, (name, step)
