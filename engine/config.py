@@ -29,7 +29,7 @@ from .sections import (
     ScheduleConfig,
 )
 from .strategies import SECTIONS as STRATEGY_SECTIONS
-from .strategies import STRATEGIES, section_class, section_readers, sections_read, strategy_class
+from .strategies import STRATEGIES, optimizer_refused, section_class, section_readers, sections_read, strategy_class
 
 NAN_POLICIES = ("skip", "stop")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -202,7 +202,7 @@ class EngineConfig:
         (step_copy), and torch's Muon (torch >= 2.9)."""
         if self.optimizer != "muon":
             return
-        why = strategy_class(self.strategy).whole_matrices_refused if self.strategy in STRATEGIES else None
+        why = optimizer_refused(self.strategy, self.optimizer)
         if why:
             raise ValueError(f"optimizer='muon' with strategy {self.strategy!r}: {why}; use zero1, dpu or acco "
                              "with Muon, or optimizer='adamw'")
@@ -230,9 +230,10 @@ class EngineConfig:
             raise ValueError(f"optimizer_offload={self.optimizer_offload!r} with strategy {self.strategy!r}: {why}; "
                              "use zero1, dpu, acco, diloco, sparseloco or local_sgd with it, or "
                              "optimizer_offload='none'")
-        if self.optimizer == "muon":
-            raise ValueError("optimizer_offload='cpu' with optimizer='muon': stepping Muon's whole matrices on the "
-                             "CPU is not built; use optimizer='adamw' or 'sgd', or optimizer_offload='none'")
+        why = optimizer_refused(self.strategy, self.optimizer, self.optimizer_offload)
+        if why:
+            raise ValueError(f"optimizer_offload={self.optimizer_offload!r} with optimizer={self.optimizer!r}: {why}; "
+                             "use optimizer='adamw' or 'sgd', or optimizer_offload='none'")
 
     def _check_accumulation(self) -> None:
         """The batch settings that only make sense together (the world-size check is Engine's)."""

@@ -268,7 +268,7 @@ def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws:
     e, n, g = ws.compute_bytes, layout.world, layout.ranks_per_node
     pt, frozen = shape.trainable, shape.params - shape.trainable
     offload = mode.offload == "cpu"  # the state in host memory: step_copy auto is then whole (on the host)
-    copy = resolve_step_copy(ws.step_copy, cuda=not offload)  # a GPU's: the planner's memory is per GPU
+    copy = resolve_step_copy(ws.step_copy, cuda=not offload, optimizer=ws.optimizer)  # a GPU's: memory is per GPU
     error_copy = resolve_error_after_skip(ws.error_after_skip, cuda=True) == "rollback"
     if mode.sharding == "node":
         held = node_sharded_bytes(pt / g, nodes=n // g, overlap=mode.overlap, kept_shards=spec.kept_shards,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.strategies import STRATEGIES, strategy_class
+from engine.strategies import STRATEGIES, optimizer_refused, strategy_class
 from engine.strategies.spec import StrategySpec
 
 DDP = "torch-ddp"
@@ -105,6 +105,12 @@ class Mode:
         if self.offload != "none":
             out.update(optimizer_offload=self.offload)
         return out
+
+
+def runs_with(mode: Mode, optimizer: str) -> bool:
+    """Whether the engine steps ``mode`` with ``optimizer`` (EngineConfig's rule,
+    engine/strategies ``optimizer_refused``; torch DDP, the reference, takes any)."""
+    return mode.is_ddp or optimizer_refused(mode.strategy, optimizer, mode.offload) is None
 
 
 def candidates(two_level: bool = True, node_sharding: bool | None = None, offload: bool | None = None) -> list[Mode]:

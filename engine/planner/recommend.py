@@ -17,10 +17,10 @@ from .advice import what_would_fit
 from .decide import TIE, decide, runnable, simplicity, time_to_loss  # noqa: F401 (re-exported)
 from .evidence import Estimate, estimate, warmup_fraction
 from .fit import Limits, fitting
-from .goal import Goal
+from .goal import OPTIMIZER_NAMES, Goal
 from .hardware import Hardware
 from .memory import Memory
-from .modes import Mode, candidates
+from .modes import Mode, candidates, runs_with
 from .shape import ModelShape
 from .timeline import Batch, StepTime, step_time
 from .wire import Layout, WireSettings
@@ -75,7 +75,10 @@ def plan_rows(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     """Every mode's row at ``batch``; the loss figures at B = ``batch.global_samples`` and a run
     of ``steps`` x B samples (None: the longest measured at each B). ``with_reference``: price
     torch DDP too and give every row its ratios to it (strategy="auto" does not: a probe of one
-    node has no rate for DDP's ring)."""
+    node has no rate for DDP's ring). ``optimizer``: the run's (EngineConfig's); a mode the engine
+    does not step with it is left out, and the state is priced for it."""
+    ws = replace(ws, optimizer=optimizer)
+    modes = [m for m in modes if runs_with(m, optimizer)]
     ref = reference_mode(ws)
     if with_reference and ref not in modes:
         modes = [ref] + list(modes)
@@ -113,9 +116,9 @@ def make_plan(shape: ModelShape, layout: Layout, hw: Hardware, batch: Batch, ws:
     (goal.py; default: keep AdamW's loss per sample within 0.5%); ``topology``,
     ``model_sharding`` and ``optimizer_offload``: the run's settings the recommendation must run
     (as EngineConfig's; None: either)."""
-    ws = ws or WireSettings()
     goal = goal or Goal()
-    modes = modes or candidates(two_level=layout.ranks_per_node > 1)
+    ws = replace(ws or WireSettings(), optimizer=goal.optimizer)  # the run's optimizer is the goal's
+    modes = [m for m in modes or candidates(two_level=layout.ranks_per_node > 1) if runs_with(m, goal.optimizer)]
     limit = Limits(memory_limit if memory_limit is not None else hw.memory_bytes, hw.host_memory_bytes)
     label = label or f"the {shape.params / 1e9:.3g}B run"
     rows, ref = plan_rows(shape, layout, hw, batch, ws, modes, limit, steps, results, checkpointing, label,
@@ -136,7 +139,7 @@ def meets_goal(m: Mode, goal: Goal, results: Path | None, global_batch: int, ste
     """Whether the rule could take ``m`` once it fits: in its pool, measured, within the goal's bound."""
     from .decide import in_pool
 
-    if not in_pool(m):
+    if not in_pool(m) or not runs_with(m, goal.optimizer):
         return False
     samples = steps * global_batch if steps is not None else None
     est = estimate(m, results, global_batch, samples, "factor" if goal.kind == "time_to_loss" else "gap_pct",
@@ -156,9 +159,9 @@ def _soonest_why(soon) -> str:
         return ""
     text = soon.why.split(". ", 1)[1] if ". " in soon.why else soon.why
     if not pick.adamw_class:
-        q = pick.loss.value
-        text += (" Its update is not AdamW's" + (f" (held-out loss {q:+.1f}% vs AdamW's at equal samples)"
-                                                 if q is not None else "")
+        q, opt = pick.loss.value, OPTIMIZER_NAMES[soon.goal.optimizer]
+        text += (f" Its update is not {opt}'s" + (f" (held-out loss {q:+.1f}% vs {opt}'s at equal samples)"
+                                                   if q is not None else "")
                  + ": both figures come from a 4.87M GPT-2 over a few hundred steps, so check them on your "
                  "model before a long run.")
     return text
@@ -196,5 +199,6 @@ def format_plan(plan: Plan) -> str:
     lines.append(("Recommended: " if plan.choice else "Nothing to recommend: ") + plan.why)
     if plan.soonest is not None:
         lines.append("")
-        lines.append("Soonest to AdamW's loss (any measured mode, whatever its update): " + plan.why_soonest)
+        lines.append(f"Soonest to {OPTIMIZER_NAMES[plan.goal.optimizer]}'s loss (any measured mode, whatever its "
+                     "update): " + plan.why_soonest)
     return "\n".join(lines)

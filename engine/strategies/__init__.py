@@ -46,6 +46,20 @@ def strategy_class(name: str):
     return _load(STRATEGIES[name])
 
 
+def optimizer_refused(strategy: str, optimizer: str, offload: str = "none") -> str | None:
+    """Why ``strategy`` cannot step with ``optimizer`` (with its state on the CPU when ``offload`` is
+    'cpu'), or None. Muon steps whole matrices: it needs a strategy whose owner steps a whole shard,
+    on the device. EngineConfig refuses these runs and the planner leaves them out, by this one rule."""
+    if optimizer != "muon":
+        return None
+    why = strategy_class(strategy).whole_matrices_refused if strategy in STRATEGIES else None
+    if why:
+        return why
+    if offload != "none":
+        return "stepping Muon's whole matrices on the CPU is not built"
+    return None
+
+
 def section_class(name: str):
     """The dataclass of the section registered as ``name`` (a key of SECTIONS); it imports no torch."""
     return _load(SECTIONS[name])

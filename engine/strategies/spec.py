@@ -61,7 +61,7 @@ def small_bytes(world: int, values: int) -> int:
 @dataclass(frozen=True)
 class WireSettings:
     """The settings a round's bytes depend on, besides the strategy and its codecs (and
-    step_copy, which only its memory and work depend on)."""
+    step_copy and the optimizer, which only its memory and work depend on)."""
 
     compute_bytes: int = 4  # 4 = fp32, 2 = bf16
     group_size: int = 128
@@ -73,6 +73,7 @@ class WireSettings:
     grad_dtype: str = "auto"  # EngineConfig grad_dtype (engine/core/dtypes.py): auto | float32 | compute
     step_copy: str = "auto"  # EngineConfig step_copy (``resolve_step_copy``): auto | whole | piece
     error_after_skip: str = "auto"  # EngineConfig error_after_skip (``resolve_error_after_skip``)
+    optimizer: str = "adamw"  # EngineConfig optimizer: Muon proposes into the whole spare (``resolve_step_copy``)
 
     def grad_bytes(self, mode) -> int:
         """Bytes of a gradient value in ``mode``'s gradient buffers (a planner Mode: its sharding,

@@ -6,7 +6,7 @@ acco+loco4+int4params, fp32 and bf16 compute (grad_dtype auto: bf16 gradient buf
 gradient travels uncompressed, fp32 under a codec), zero1 with fp32 gradient buffers (grad_dtype
 float32), and acco+loco4+int4params with the step proposed into piece-sized scratch (step_copy
 'piece', what auto takes on a GPU), acco+loco4 with no rollback copy of the error
-(error_after_skip 'reset', auto on a GPU), on the torch path (the one a GPU runs)."""
+(error_after_skip 'reset', auto on a GPU), acco+loco4 with Muon, on the torch path (the one a GPU runs)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ MODES = {
                                                              step_copy="piece", comm_chunks=5),
     # no rollback copy of the error (what auto takes on a GPU)
     "acco+loco4, error_after_skip=reset": dict(strategy="acco", codec="loco4", error_after_skip="reset"),
+    # Muon: AdamW's two moments kept at every value (the second unused at a matrix's) and the whole spare
+    "acco+loco4, optimizer=muon": dict(strategy="acco", codec="loco4", optimizer="muon"),
 }
 DTYPES = {"float32": 4, "bfloat16": 2}
 EXACT = ("parameters", "gradients", "gathered", "optimizer", "error_feedback", "strategy")
