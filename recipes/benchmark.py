@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+N-1 instead")
     ap.add_argument("--merge", action="append", default=[], metavar="JSON",
                     help="start from the runs of an earlier --json (repeatable): add seeds or modes to a table")
+    ap.add_argument("--merge-only", action="store_true",
+                    help="run nothing: write the --merge JSONs' runs as one table to --json (seeds or modes "
+                    "that ran into files of their own, scored against the reference in another)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak lr (the sweep's middle)")
     ap.add_argument("--lr-sweep", action=argparse.BooleanOptionalAction, default=None,
                     help="run each mode at lr x 0.5, 1, 2 and keep its best (median final held-out loss) "
@@ -228,6 +231,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--first-seed must be >= 0")
     if a.seeds < 1:
         ap.error("--seeds must be >= 1")
+    if a.merge_only and not (a.merge and a.json):
+        ap.error("--merge-only writes the runs of --merge JSON (at least one) to --json OUT: give both")
     samples, default_sweep, default_sweep_seeds, eval_points = PROTOCOL_DEFAULTS[a.protocol]
     a.reference = REFERENCES[a.protocol]
     if a.eval_points is None:
@@ -402,9 +407,24 @@ def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
                   f"do not compare; set --eval-batches so that both hold as many sequences, or rerun them",
                   file=sys.stderr)
             return None
-        runs += runs_in
+        with open(path) as f:  # JSONs older than the flag ran at its default, 1.0
+            clip = json.load(f).get("config", {}).get("max_grad_norm", 1.0)
+        if clip != args.max_grad_norm:
+            print(f"error: --merge {path}: its runs clipped the gradient norm at {clip} (0: not at all), this run "
+                  f"at {args.max_grad_norm}: set --max-grad-norm {clip} or rerun them", file=sys.stderr)
+            return None
+        seen = {(r["mode"], r["lr"], r["seed"]): r["final_loss"] for r in runs}
+        clash = sorted({k for r in runs_in if (k := (r["mode"], r["lr"], r["seed"])) in seen
+                        and seen[k] != r["final_loss"]}, key=str)
+        if clash:
+            print(f"error: --merge {path}: (mode, lr, seed) {clash} ran before in another --merge file with "
+                  "another result: keep one of the two files", file=sys.stderr)
+            return None
+        new = [r for r in runs_in if (r["mode"], r["lr"], r["seed"]) not in seen]  # a run in both files: once
+        runs += new
         compute_rates += rates_in
-        runner.log(f"merged {len(runs_in)} runs from {path}")
+        runner.log(f"merged {len(new)} runs from {path}" + (f" ({len(runs_in) - len(new)} already in)"
+                                                             if len(new) < len(runs_in) else ""))
     return runs, compute_rates
 
 
@@ -431,6 +451,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(args)
+    if args.merge_only:
+        merged = merged_runs(args)
+        if merged is None:
+            return 2
+        rows = runner.write_outputs(args, *merged, final=True)
+        print(report.tables(rows))
+        return 0
     problem = testbed_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

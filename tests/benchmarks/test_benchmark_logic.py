@@ -242,3 +242,44 @@ def test_merge_refuses_runs_scored_on_another_heldout_set(tmp_path, capsys):
     for path in (same, old):
         merged = merged_runs(parse_args(["--modes", "zero1", "--merge", path]))
         assert merged is not None and len(merged[0]) == 1
+
+
+def test_merge_only_writes_runs_from_two_files_as_one_table_against_the_reference(tmp_path, capsys):
+    """Seeds or modes that ran into a file of their own join the table that holds the reference,
+    with nothing run: each mode scored against torch DDP seed by seed."""
+    from recipes.benchmark import main
+
+    args = parse_args(["--modes", "zero1", "--seeds", "1", "--no-lr-sweep"])
+
+    def write(name: str, runs: list[dict]) -> str:
+        rows = aggregate(args, [{**r, "protocol": "matched", "global_batch": 16} for r in runs], [20.0])
+        path = tmp_path / name
+        path.write_text(json.dumps({"modes": rows, "compute_only_samples_per_s": [20.0],
+                                    "config": {"heldout": args.heldout, "seq_len": args.seq_len,
+                                               "micro_batch": args.micro_batch, "eval_batches": args.eval_batches}}))
+        return str(path)
+
+    ref = write("ddp.json", [fake_run("torch-ddp", 1e-3, s, 2.5) for s in (0, 1)])
+    new = write("zero1.json", [fake_run("zero1", 1e-3, 0, 2.55), fake_run("zero1", 1e-3, 1, 2.5)])
+    out = tmp_path / "both.json"
+    assert main(["--modes", "zero1", "--no-lr-sweep", "--merge-only", "--merge", ref, "--merge", new,
+                 "--json", str(out)]) == 0
+    rows = {o["mode"]: o for o in json.loads(out.read_text())["modes"]}
+    assert set(rows) == {"torch-ddp", "zero1"} and rows["zero1"]["seeds"] == [0, 1]
+    assert rows["zero1"]["loss_vs_ref_pct_per_seed"] == {"0": pytest.approx(2.0), "1": pytest.approx(0.0)}
+    # a run in two files counts once; the same run with another result is refused
+    assert main(["--modes", "zero1", "--no-lr-sweep", "--merge-only", "--merge", ref, "--merge", new, "--merge",
+                 str(out), "--json", str(tmp_path / "again.json")]) == 0
+    again = {o["mode"]: o for o in json.loads((tmp_path / "again.json").read_text())["modes"]}
+    assert [len(again[m]["runs"]) for m in ("torch-ddp", "zero1")] == [2, 2]
+    other = write("other.json", [fake_run("zero1", 1e-3, 0, 2.6)])
+    assert main(["--modes", "zero1", "--no-lr-sweep", "--merge-only", "--merge", new, "--merge", other,
+                 "--json", str(tmp_path / "no.json")]) == 2
+    assert "ran before in another --merge file" in capsys.readouterr().err
+    # runs at another clipping do not join the table
+    assert main(["--modes", "zero1", "--no-lr-sweep", "--merge-only", "--merge", ref, "--merge", new,
+                 "--max-grad-norm", "0", "--json", str(tmp_path / "no.json")]) == 2
+    assert "clipped the gradient norm at 1.0" in capsys.readouterr().err and not (tmp_path / "no.json").exists()
+    with pytest.raises(SystemExit):  # nothing to write, or nowhere to write it
+        parse_args(["--modes", "zero1", "--merge-only", "--merge", ref])
+    assert "--merge-only writes" in capsys.readouterr().err
