@@ -176,10 +176,11 @@ def _too_few(est: Estimate) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    opt = OPTIMIZER_NAMES[plan.goal.optimizer]
     limit = f" of {plan.memory_limit / 2**30:.3g}" if plan.memory_limit else ""
     head = ["mode", "s/step", "vs " + plan.reference.name, "compute s", "node link s", "intra s", "comm work s",
             "exposed s", "GB/node link/step", "state GiB/GPU", "activations GiB", f"fits{limit} GiB",
-            "loss vs AdamW [evidence]", "samples to AdamW's loss", "time to it vs " + plan.reference.name]
+            f"loss vs {opt} [evidence]", f"samples to {opt}'s loss", "time to it vs " + plan.reference.name]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(plan.rows, key=lambda r: r.time.step_s):
         t, q = r.time, r.loss
@@ -199,6 +200,5 @@ def format_plan(plan: Plan) -> str:
     lines.append(("Recommended: " if plan.choice else "Nothing to recommend: ") + plan.why)
     if plan.soonest is not None:
         lines.append("")
-        lines.append(f"Soonest to {OPTIMIZER_NAMES[plan.goal.optimizer]}'s loss (any measured mode, whatever its "
-                     "update): " + plan.why_soonest)
+        lines.append(f"Soonest to {opt}'s loss (any measured mode, whatever its update): " + plan.why_soonest)
     return "\n".join(lines)

@@ -216,10 +216,10 @@ def test_muon_runs_stand_on_muon_rows_against_ddp_with_muon():
     assert {p.source for p in muon.basis} == {"muon_protocol_1gbit_b16_3seeds.json"}
     adamw = estimate(acco, RESULTS, 16, 3072)
     assert adamw.measured and all(p.optimizer == "adamw" for p in adamw.basis) and adamw.value != muon.value
-    # a mode with AdamW rows only is not measured under Muon (seed 0 of the sweep alone: too few seeds)
-    int8 = Mode("zero1", "loco4", "int8")
-    assert estimate(int8, RESULTS, 16, 3072).measured
-    assert not estimate(int8, RESULTS, 16, 3072, optimizer="muon").measured
+    # a mode with AdamW rows only is not measured under Muon, nor one whose Muon row has one seed (acco+loco4)
+    for mode in (Mode("zero1", "loco4", "int4"), Mode("acco", "loco4", "int8")):
+        assert estimate(mode, RESULTS, 16, 3072).measured
+        assert not estimate(mode, RESULTS, 16, 3072, optimizer="muon").measured
     plan = make_plan(PRESETS["1b"], Layout(2, 1), gpu(1, mfu=MFU), Batch(16, 1), results=RESULTS,
                      goal=Goal(optimizer="muon"))
     assert "keep Muon's loss per sample" in plan.why and "AdamW" not in plan.why
