@@ -422,7 +422,7 @@ def merged_runs(args) -> tuple[list[dict], list[dict]] | None:
             return None
         new = [r for r in runs_in if (r["mode"], r["lr"], r["seed"]) not in seen]  # a run in both files: once
         runs += new
-        compute_rates += rates_in
+        compute_rates += [c for c in rates_in if c not in compute_rates]  # a file merged into another: once
         runner.log(f"merged {len(new)} runs from {path}" + (f" ({len(runs_in) - len(new)} already in)"
                                                              if len(new) < len(runs_in) else ""))
     return runs, compute_rates

@@ -272,6 +272,7 @@ def test_merge_only_writes_runs_from_two_files_as_one_table_against_the_referenc
                  str(out), "--json", str(tmp_path / "again.json")]) == 0
     again = {o["mode"]: o for o in json.loads((tmp_path / "again.json").read_text())["modes"]}
     assert [len(again[m]["runs"]) for m in ("torch-ddp", "zero1")] == [2, 2]
+    assert len(json.loads((tmp_path / "again.json").read_text())["compute_only"]) == 1  # one measurement, once
     other = write("other.json", [fake_run("zero1", 1e-3, 0, 2.6)])
     assert main(["--modes", "zero1", "--no-lr-sweep", "--merge-only", "--merge", new, "--merge", other,
                  "--json", str(tmp_path / "no.json")]) == 2
