@@ -84,8 +84,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import plots, report, runner  # noqa: E402  (plots imports matplotlib when it draws)
-from benchmarks.modes import (BENCHMARK_MODES, DEFAULT_MODES, MODES, PROTOCOLS, REFERENCES,  # noqa: E402
-                              BatchError, free_batch, matched_batch)
+from benchmarks.modes import (  # noqa: E402
+    BENCHMARK_MODES,
+    DEFAULT_MODES,
+    MODES,
+    PROTOCOLS,
+    REFERENCES,
+    BatchError,
+    free_batch,
+    matched_batch,
+)
 
 # what each protocol leaves unset on the command line: (samples, lr sweep, sweep seeds, eval points)
 PROTOCOL_DEFAULTS = {"matched": (3072, True, 1, 16), "free": (1536, False, None, 6)}
