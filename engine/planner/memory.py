@@ -7,7 +7,8 @@ Per trainable parameter, e = compute dtype bytes, e_g = the gradient buffers' (4
 auto, e with 'compute' or under model sharding: ``WireSettings.grad_bytes``), N = ranks sharing the
 optimizer, g = codec group, G = ranks per node:
 
-    replicated        16: fp32 parameters, fp32 gradients, AdamW's two moments (torch DDP, AMP)
+    replicated        16: fp32 parameters, fp32 gradients, AdamW's two moments (torch DDP, AMP); Muon's
+                      hidden matrices keep one
     sharded           ``held_bytes``: every tensor the engine keeps after a step, by the categories
                       engine/runtime/memory_accounting.py measures, and the largest set of temporaries a
                       round makes (tests/engine/test_memory_accounting.py holds the two against
@@ -261,7 +262,9 @@ def fsdp_block_bytes(shape: ModelShape, compute_bytes: int) -> float:
 
 def replicated(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:
     pt, frozen = shape.trainable, shape.params - shape.trainable
-    return Memory(4 * pt + ws.compute_bytes * frozen, 4 * pt, 8 * pt, 0.0)
+    # Muon keeps one momentum for the hidden matrices: all but an untied embedding and head (upper bound)
+    matrices = max(0, pt - 2 * shape.vocab * shape.hidden) if ws.optimizer == "muon" else 0
+    return Memory(4 * pt + ws.compute_bytes * frozen, 4 * pt, 8 * pt - 4 * matrices, 0.0)
 
 
 def sharded(spec: MemorySpec, mode: Mode, shape: ModelShape, layout: Layout, ws: WireSettings) -> Memory:

@@ -75,3 +75,30 @@ def test_auto_with_muon_never_takes_a_mode_the_config_refuses():
     assert rows and all(runs_with(r.mode, "muon") for r in rows)
     if choice is not None:
         EngineConfig(**choice.mode.engine_settings(), optimizer="muon")
+
+
+def test_the_ddp_reference_with_muon_is_priced_from_torch_optimizers_state():
+    # the benchmark's torch DDP + Muon (one momentum for the hidden matrices, AdamW's two moments for
+    # the rest), stepped once: the planner's reference row bounds its state from above, within the tied
+    # head's slack, and holds less than AdamW's two moments on everything
+    import torch
+
+    from benchmarks.worker import ddp_optimizers
+    from engine.planner.shape import from_shape
+    from lm.models import tiny_gpt2
+
+    vocab, layers, hidden = 512, 2, 64
+    model = tiny_gpt2(vocab_size=vocab, n_layer=layers, n_embd=hidden, n_head=4, n_positions=65, seed=0)
+    opts = ddp_optimizers(model, {"lr": 1e-3, "optimizer": "muon"})
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for opt in opts:
+        opt.step()
+    held = sum(t.numel() * t.element_size() for opt in opts for state in opt.state.values()
+               for name, t in state.items() if name != "step")
+    shape = from_shape(layers, hidden, vocab, params=sum(p.numel() for p in model.parameters()))
+    ddp = Mode("torch-ddp")
+    muon = memory_per_gpu(ddp, shape, Layout(1, 2), WireSettings(optimizer="muon")).optimizer
+    adamw = memory_per_gpu(ddp, shape, Layout(1, 2), WireSettings()).optimizer
+    assert held <= muon <= held + 4 * vocab * hidden  # GPT-2 ties its head to the embedding
+    assert muon < adamw == 8 * shape.trainable
