@@ -52,7 +52,7 @@ RESULT_FILES = ("plancheck_100mbit_b16_2seeds.json", "plancheck_1gbit_b16_2seeds
                 "bench_hetero_b96_3seeds.json", "acco_headline_100mbit_b16_3seeds.json",
                 "acco_attribution_1gbit_b16_s0.json", "nodes_100mbit_b16_2x2_2seeds.json",
                 # with optimizer="muon" (torch DDP + Muon the reference): docs/acco_delay.md
-                "muon_sweep_1gbit_b16.json", "muon_protocol_1gbit_b16_3seeds.json")
+                "muon_sweep_1gbit_b16.json", "muon_protocol_1gbit_b16_3seeds.json", "muon_long_1gbit_b16_n12288.json")
 GRID_DIR = "loss_grid"
 GRID_FILE = re.compile(r"b(\d+)_n(\d+)(_\d+x\d+)?\.json$")  # the suffix: nodes x ranks per node, 2 x 1 without
 MIN_SEEDS = {"benchmark": 3, "grid": 3}
