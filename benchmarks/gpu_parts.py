@@ -525,10 +525,10 @@ def model_sharding(args) -> dict:
     compute stream beside the engine's comm stream, a few steps of a stack of blocks, the loss
     finite and falling; on CUDA the bytes per parameter held after the steps
     (``memory_allocated``) against the planner's formula for node sharding
-    (engine/planner/memory.py ``node_sharded_bytes``: held after a step, no round temporaries),
+    (engine/planner/sharded_bytes.py ``node_sharded_bytes``: held after a step, no round temporaries),
     and FSDP2's unsharded blocks freed (engine/runtime/memory_accounting.py ``fsdp_unsharded_bytes``)."""
     from engine import Engine, EngineConfig
-    from engine.planner.memory import node_sharded_bytes
+    from engine.planner.sharded_bytes import node_sharded_bytes
     from engine.runtime.memory_accounting import fsdp_unsharded_bytes, held_bytes
     from engine.strategies.spec import resolve_step_copy
 

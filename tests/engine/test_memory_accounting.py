@@ -15,7 +15,7 @@ import torch
 
 from engine.parallel.comm import MAX_PIECE_VALUES, PIECE_ALIGN, chunk_bounds
 from engine.parallel.local_group import spawn
-from engine.planner import memory
+from engine.planner import sharded_bytes
 from engine.runtime.memory_accounting import CATEGORIES, RoundTemporaries
 
 MODES = {
@@ -78,12 +78,13 @@ def _check(results, world: int, per_node: int, two_level: bool):
     for (dtype, name), (held, temps, padded, chunks, topology) in results[0].items():
         assert topology == ("two_level" if two_level else "flat")
         kw = MODES[name]
-        want = memory.held_bytes(padded, world=world, per_node=per_node, two_level=two_level,
-                                 kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
-                                 param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
-                                 chunks=chunks, backend="gloo", step_copy=kw.get("step_copy", "whole"),
-                                 error_copy=kw.get("error_after_skip", "rollback") == "rollback",
-                                 grad_bytes=4 if kw.get("grad_dtype") == "float32" or "codec" in kw else DTYPES[dtype])
+        want = sharded_bytes.held_bytes(padded, world=world, per_node=per_node, two_level=two_level,
+                                        kept_shards=int(kw["strategy"] == "acco"), codec=kw.get("codec", "none"),
+                                        param_codec=kw.get("param_codec", "auto"), compute_bytes=DTYPES[dtype],
+                                        chunks=chunks, backend="gloo", step_copy=kw.get("step_copy", "whole"),
+                                        error_copy=kw.get("error_after_skip", "rollback") == "rollback",
+                                        grad_bytes=4 if kw.get("grad_dtype") == "float32" or "codec" in kw
+                                        else DTYPES[dtype])
         got_total, want_total = sum(held.values()) + temps, sum(want.values())
         rows.append(f"{dtype} {name}: held {got_total / padded:.2f} B/param, formula {want_total / padded:.2f}; "
                     + ", ".join(f"{k} {held[k] / padded:.2f}/{want[k] / padded:.2f}" for k in CATEGORIES)
@@ -131,10 +132,10 @@ def test_round_temporaries_count_live_storages_until_freed():
 
 
 def test_the_planner_pieces_are_the_engines():
-    assert memory.MAX_PIECE_VALUES == MAX_PIECE_VALUES and memory.PIECE_ALIGN == PIECE_ALIGN
+    assert sharded_bytes.MAX_PIECE_VALUES == MAX_PIECE_VALUES and sharded_bytes.PIECE_ALIGN == PIECE_ALIGN
     for size, count, unit in [(8352, 5, 128), (100, 3, 32), (40, 1, 32), (1000, 8, 32), (96, 5, 32)]:
         bounds = chunk_bounds(size, count, unit)
-        assert memory._longest_piece(size, count, unit) == (len(bounds), max(b - a for a, b in bounds))
+        assert sharded_bytes._longest_piece(size, count, unit) == (len(bounds), max(b - a for a, b in bounds))
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

@@ -1,4 +1,4 @@
-"""The planner's memory (engine/planner/memory.py ``node_sharded_bytes``) against what the runtime holds
+"""The planner's memory (engine/planner/sharded_bytes.py ``node_sharded_bytes``) against what the runtime holds
 (engine/runtime/memory_accounting.py) for the node-sharded rows test_memory_accounting_sharded.py and
 test_offload.py leave out: dpu (overlapped, nothing kept between rounds) plain and with loco4 + int4
 parameter deltas, each with and without optimizer_offload='cpu', zero1 offloaded, at 2 nodes x 2 ranks
@@ -20,7 +20,7 @@ import functools
 import pytest
 
 from engine.parallel.local_group import spawn
-from engine.planner import memory
+from engine.planner import sharded_bytes
 from engine.runtime.memory_accounting import CATEGORIES
 from tests.engine.test_memory_accounting_sharded import WIDTH
 
@@ -90,9 +90,10 @@ def _check(results: list[dict], name: str, layout: str, e: int, overlap: bool, k
     nodes, per_node, _ = LAYOUTS[layout]
     got = results[0][name]
     held, padded, offload = got["held"], got["padded"], "host" in got and got.get("host", 0) > 0
-    want = memory.node_sharded_bytes(padded, nodes=nodes, overlap=overlap, kept_shards=kept_shards, compute_bytes=e,
-                                     chunks=got["chunks"], backend="gloo", frozen=WIDTH * 8 / per_node,
-                                     offload=offload, **codecs)
+    want = sharded_bytes.node_sharded_bytes(padded, nodes=nodes, overlap=overlap, kept_shards=kept_shards,
+                                            compute_bytes=e, chunks=got["chunks"], backend="gloo",
+                                            frozen=WIDTH * 8 / per_node,
+                                            offload=offload, **codecs)
     # the formula's host bytes count the fused kernel's host scratch (4 per owned value): only where it ran
     want_host = want.pop("host", 0.0) - (0 if got["fused"] or not offload else 4 * got["shard"])
     got_total, want_total = sum(held.values()) + got["temps"], sum(want.values())

@@ -1,6 +1,6 @@
 """What a rank holds after a step of a model_sharding='node' run (engine/parallel/sharding.py: FSDP2 over
 the node's G ranks, the exchange across nodes on the local shards) against the formula of
-engine/planner/memory.py (``node_sharded_bytes``), in real gloo groups at 2 nodes x 2 ranks and 1
+engine/planner/sharded_bytes.py (``node_sharded_bytes``), in real gloo groups at 2 nodes x 2 ranks and 1
 node x 4 ranks, for zero1, acco and acco+loco4+int4params on a model of several blocks; and the
 sharded run's parameters and gradients against the unsharded run's (two-level; on one node, flat): 1/G
 of them."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.parallel.local_group import spawn
-from engine.planner import memory
+from engine.planner import sharded_bytes
 from engine.runtime.memory_accounting import CATEGORIES
 
 MODES = {
@@ -78,7 +78,7 @@ def _check(results, nodes: int, per_node: int, dtypes: tuple[str, ...]):
         for name, kw in MODES.items():
             got = results[0][(dtype, name, "node")]
             held, padded = got["held"], got["padded"]
-            want = memory.node_sharded_bytes(
+            want = sharded_bytes.node_sharded_bytes(
                 padded, nodes=nodes, overlap=kw["strategy"] == "acco", kept_shards=int(kw["strategy"] == "acco"),
                 codec=kw.get("codec", "none"), param_codec=kw.get("param_codec", "auto"), compute_bytes=e,
                 chunks=got["chunks"], backend="gloo", frozen=frozen / per_node)
@@ -130,5 +130,5 @@ def test_the_planner_recommends_a_mode_that_fits_with_this_formula(argv, tmp_pat
     row = next(r for r in plan["rows"] if r["mode"] == plan["recommended"])
     assert row["fits"] and "node-sharded" in row["mode"], row["mode"]
     assert row["memory_bytes"] + row["activation_bytes"] <= 79.6 * 2**30
-    sharded = memory.node_sharded_bytes(1e9, nodes=8, overlap=False, compute_bytes=2)
+    sharded = sharded_bytes.node_sharded_bytes(1e9, nodes=8, overlap=False, compute_bytes=2)
     assert sharded["gradients"] == 2e9 and sharded["gathered"] == 0  # one local buffer, both uses

@@ -214,7 +214,7 @@ def test_offloaded_rows_hold_what_the_planner_says_2x2():
     most 0.7x the device bytes of the same run without it (acco 0.75x, see below; step_copy whole,
     a CPU run's default; under 'piece', a GPU's, the run without offload holds less), with the same
     loss."""
-    from engine.planner import memory
+    from engine.planner import sharded_bytes
     from engine.runtime.memory_accounting import CATEGORIES
     from tests.engine.test_memory_accounting_sharded import WIDTH
 
@@ -223,9 +223,9 @@ def test_offloaded_rows_hold_what_the_planner_says_2x2():
     for name, got in results[0].items():
         held, padded = got["held"], got["padded"]
         acco = name.startswith("acco")
-        want = memory.node_sharded_bytes(padded, nodes=2, overlap=acco, kept_shards=int(acco), codec="loco4",
-                                         param_codec="int4", compute_bytes=2, chunks=got["chunks"], backend="gloo",
-                                         frozen=WIDTH * 8 / 2, offload=True)
+        want = sharded_bytes.node_sharded_bytes(padded, nodes=2, overlap=acco, kept_shards=int(acco), codec="loco4",
+                                                param_codec="int4", compute_bytes=2, chunks=got["chunks"],
+                                                backend="gloo", frozen=WIDTH * 8 / 2, offload=True)
         want_host = want.pop("host") - (0 if got["fused"] else 4 * got["shard"])
         got_total, want_total = sum(held.values()) + got["temps"], sum(want.values())
         rows.append(f"{name} offloaded at 2x2: device {got_total / padded:.2f} B per local value, formula "
