@@ -14,7 +14,6 @@ import torch
 from acco_loco.registry import GradCodecSpec, make_codec
 from engine import Engine, EngineConfig
 from engine.parallel.collectives import CompressedGrads
-from engine.parallel.comm import Comm, LinkBytes
 from engine.parallel.dims import ParallelDims
 from engine.parallel.local_group import spawn
 from engine.parallel.topology import Layout
