@@ -67,7 +67,7 @@ def split(got: dict) -> dict:
 @pytest.mark.timeout(900)
 def test_offloaded_sharded_local_steps_hold_at_most_0_7_of_the_unsharded_bytes():
     """2 nodes x 2 ranks, 4 blocks of 128 x 128 (fp32), H = 3, two outer rounds; rank 0's figures
-    printed (every rank holds the same)."""
+    printed (every rank holds the same), the round temporaries the ranks' smallest (below)."""
     runs = spawn(_memory, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)
     for key in runs[0]:
         # Every rank makes the same temporaries, but gloo's worker thread lets go of a finished
